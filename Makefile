@@ -1,0 +1,35 @@
+# The two commands a newcomer needs:
+#   make lab    installs everything into .venv and opens JupyterLab on notebooks/
+#   make test   installs everything into .venv and runs every test (pytest, then nbval on notebooks)
+# TORCH picks the torch requirement installed first; the default is the CPU build this lab's CI
+# uses. On a GPU machine: make lab TORCH=torch
+PY ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install lab test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lab: install
+	$(BIN)/jupyter lab notebooks/
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
+	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
+		OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax --durations=0 -q notebooks; \
+	fi
+
+test-fast: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,14 @@
+"""dlab: a Jupyter-first lab for distributed training.
+
+    import dlab
+    run = dlab.launch("torch-ddp", world_size=4, steps=20, wait=True)
+    run.summary()
+"""
+from dlab.config import ConfigError, RunConfig
+from dlab.diagnose import RunFailed
+from dlab.launch import Run, attach, launch
+from dlab.spawn import spawn
+
+__version__ = "0.1.0"
+
+__all__ = ["ConfigError", "Run", "RunConfig", "RunFailed", "attach", "launch", "spawn"]

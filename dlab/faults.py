@@ -1,0 +1,37 @@
+"""Faults injected on purpose, from the launch config, so reliability can be tested and taught.
+
+``fault={"rank": 1, "step": 3, "kind": K}`` acts on that rank at the start of that step:
+
+- ``raise``: raises RuntimeError (a bug in user code);
+- ``kill``: SIGKILL to itself (an out-of-memory kill, a lost node) - it cannot leave a traceback;
+- ``exit``: exits with code 3 without a word (a library calling exit);
+- ``hang``: stops taking part, as a rank stuck in a different collective would; the others wait
+  in their next collective until the deadline (``timeout_s``) ends it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def maybe_inject(fault: dict | None, rank: int, step: int) -> None:
+    if not fault or fault.get("rank", 0) != rank or fault.get("step", 0) != step:
+        return
+    kind = fault["kind"]
+    sys.stdout.flush()
+    if kind == "raise":
+        raise InjectedFault(f"injected fault: rank {rank} raised at step {step}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "exit":
+        os._exit(3)
+    if kind == "hang":
+        print(f"injected fault: rank {rank} stops taking part at step {step}", flush=True)
+        while True:
+            time.sleep(3600)

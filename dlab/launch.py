@@ -1,0 +1,289 @@
+"""``dlab.launch``: one call, a real multi-process run under torchrun, and a handle on it.
+
+What dlab adds to torchrun for a notebook: the config is checked before any process starts; a
+free port and a fresh run directory per run (so runs started together never collide); torchrun
+runs in its own process session and every rank dies with it, so an interrupted cell or a
+stopped kernel leaves nothing behind; a run-wide deadline; and the failing rank's traceback
+brought back into the cell.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import psutil
+
+from dlab.config import ConfigError, RunConfig
+from dlab.diagnose import RunFailed, find_failure
+from dlab.runs import JsonlTail, RunDir, read_json, write_json
+from dlab.summary import Summary
+
+_LIVE: "weakref.WeakSet[Run]" = weakref.WeakSet()
+
+
+def free_port() -> int:
+    """A port nobody listens on now. The OS hands out ephemeral ports in turn, so two runs
+    asking within the same millisecond still get different ones."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: bool = False,
+           dashboard: bool = False, runs_dir: str | Path = "runs", timeout: float | None = None,
+           **config) -> "Run":
+    """Start ``strategy`` on ``world_size`` ranks; return a ``Run``.
+
+    ``config`` takes any ``RunConfig`` field (steps, model, model_options, batch_size, lr,
+    options, fault, ...). A config that cannot work raises ``ConfigError`` here, before any
+    process starts. ``wait=True`` blocks until the run ends (``progress`` prints a bar);
+    ``dashboard=True`` blocks with live charts. ``timeout`` bounds the whole run's wall time.
+    """
+    cfg = RunConfig.from_dict({"strategy": strategy, "world_size": world_size, **config}).validate()
+    run_dir = RunDir.create(runs_dir, cfg.name or f"{strategy}-w{world_size}")
+    cfg.save(run_dir / "config.json")
+    run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
+                         threads=cfg.threads_per_rank)
+    if dashboard:
+        from dlab.dashboard import watch
+        watch(run, timeout=timeout)
+    elif wait:
+        run.wait(timeout=timeout, progress=progress)
+    return run
+
+
+def _worker_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # The worker imports dlab from wherever this process did, installed or not.
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env.update(OMP_NUM_THREADS=str(threads), DLAB_REDIRECT="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def start_torchrun(run_dir: RunDir, nproc: int, worker_args: list[str], threads: int = 1) -> "Run":
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+           f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_dir.path.name}",
+           "--max-restarts=0", "--monitor-interval=0.1",
+           "-m", "dlab.worker", "--run-dir", str(run_dir.path.resolve()), *worker_args]
+    with open(run_dir / "torchrun.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=_worker_env(threads))
+    write_json(run_dir / "launch.json", {"command": cmd, "port": port, "pid": proc.pid,
+                                         "host": socket.gethostname(), "started": time.time()})
+    run = Run(run_dir.path, proc)
+    _LIVE.add(run)
+    return run
+
+
+def attach(path: str | Path) -> "Run":
+    """Open a run something else started (torchrun on a cluster, an earlier kernel)."""
+    if not (Path(path) / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a dlab run directory (it has no config.json)")
+    return Run(path)
+
+
+class Run:
+    """A run, live or finished. Everything it knows it reads from the run directory, except
+    whether its own torchrun process is still alive."""
+
+    def __init__(self, path: str | Path, proc: subprocess.Popen | None = None):
+        self.dir = RunDir(path)
+        self.path = self.dir.path
+        self.proc = proc
+        self._tails: dict[int, JsonlTail] = {}
+        self._ended_as: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, state={self.state!r})"
+
+    # --- what it is ------------------------------------------------------------------------
+    @property
+    def config(self) -> dict:
+        return self.dir.config()
+
+    @property
+    def world_size(self) -> int:
+        return self.dir.world_size()
+
+    @property
+    def state(self) -> str:
+        if self.proc is not None and self.proc.poll() is None:
+            return "running"
+        if self.proc is not None and self._ended_as is None:
+            self._finish()
+        return self.dir.status().get("state", "unknown")
+
+    def status(self) -> dict:
+        self.state  # noqa: B018 - finalises a run whose process has just ended
+        return self.dir.status()
+
+    # --- reading ---------------------------------------------------------------------------
+    def metrics(self, rank: int | None = None) -> list[dict]:
+        ranks = [rank] if rank is not None else self.dir.ranks()
+        return [m for r in ranks for m in self.dir.metrics(r)]
+
+    def new_metrics(self) -> list[dict]:
+        """Records written since the previous call (all ranks)."""
+        out = []
+        for r in self.dir.ranks():
+            out += self._tails.setdefault(r, JsonlTail(self.dir.metrics_file(r))).read()
+        return out
+
+    def timeline(self, rank: int | None = None) -> list[dict]:
+        ranks = [rank] if rank is not None else self.dir.ranks()
+        return [dict(e, rank=r) for r in ranks for e in self.dir.timeline(r)]
+
+    def logs(self, rank: int = 0) -> str:
+        return self.dir.log(rank)
+
+    def summary(self) -> Summary:
+        return Summary.of(self)
+
+    def failure(self) -> RunFailed | None:
+        return find_failure(self.dir, self.proc.poll() if self.proc else None)
+
+    # --- waiting and stopping --------------------------------------------------------------
+    def stream(self, poll: float = 0.2, timeout: float | None = None):
+        """Yield metric records as the ranks write them, until the run ends."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            running = self.state == "running"
+            yield from self.new_metrics()
+            if not running:
+                return
+            if deadline and time.monotonic() > deadline:
+                self.stop(reason="timeout")
+                raise TimeoutError(f"run {self.path} did not finish within {timeout} s; stopped it")
+            time.sleep(poll)
+
+    def wait(self, timeout: float | None = None, progress: bool = False) -> "Run":
+        """Block until the run ends; raise ``RunFailed`` naming the failing rank. An interrupt
+        (KeyboardInterrupt, a notebook's stop button) stops the whole run before it returns."""
+        bar = _Progress(self) if progress else None
+        try:
+            for record in self.stream(timeout=timeout):
+                if bar:
+                    bar.update(record)
+                if self._a_rank_failed():
+                    self._give_torchrun(2.0)
+        except BaseException:
+            self.stop(reason="interrupted")
+            raise
+        finally:
+            if bar:
+                bar.close()
+        failure = self.failure()
+        if failure:
+            raise failure
+        return self
+
+    def _a_rank_failed(self) -> bool:
+        return any((rep := self.dir.report(r)) and not rep.get("ok") for r in self.dir.ranks())
+
+    def _give_torchrun(self, seconds: float) -> None:
+        """torchrun tears the others down when it sees a rank fail; if that has not happened
+        within ``seconds`` (a rank stuck in C++ that ignores SIGTERM), do it ourselves."""
+        end = time.monotonic() + seconds
+        while self.proc is not None and self.proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop(reason="failed")
+
+    def stop(self, grace: float = 2.0, reason: str = "stopped") -> None:
+        """End every process of the run: SIGTERM (torchrun forwards it to its ranks), then
+        SIGKILL whatever is left after ``grace`` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None:
+                self._finish()
+            return
+        _kill_tree(self.proc, grace)
+        self._finish(reason)
+
+    def _finish(self, reason: str | None = None) -> None:
+        if self._ended_as is not None or self.proc is None:
+            return
+        failure = self.failure()
+        state = reason if reason and reason != "failed" else ("failed" if failure else (
+            "ok" if self.proc.returncode == 0 else "failed"))
+        if state == "interrupted" and failure is None:
+            state = "stopped"
+        exit_codes = failure.exit_codes if failure else {r: 0 for r in self.dir.ranks()}
+        self._ended_as = state
+        write_json(self.dir / "status.json", {
+            "state": state, "torchrun_exit": self.proc.returncode, "exit_codes": exit_codes,
+            "failed_rank": failure.rank if failure else None, "ended": time.time(),
+            "ranks": {r: self.dir.report(r) for r in self.dir.ranks()}})
+        _LIVE.discard(self)
+
+
+def _kill_tree(proc: subprocess.Popen, grace: float) -> None:
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    for p in procs[1:]:  # ranks live in their own sessions, out of the group's reach
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=2)
+    try:
+        proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class _Progress:
+    """One line per run: a bar when the output is a terminal, a line every tenth otherwise."""
+
+    def __init__(self, run: Run):
+        self.run, self.steps = run, run.config.get("steps", 1)
+        self.tty = sys.stdout.isatty()
+        self.shown = -1
+
+    def update(self, record: dict) -> None:
+        if record.get("rank") != 0:
+            return
+        step = record["step"] + 1
+        frac = step / self.steps
+        line = (f"{self.run.path.name}  [{'#' * int(30 * frac):<30}] step {step}/{self.steps}  "
+                f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s")
+        if self.tty:
+            print("\r" + line, end="", flush=True)
+        elif int(10 * frac) > self.shown:
+            self.shown = int(10 * frac)
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for run in list(_LIVE):
+        run.stop(grace=1.0, reason="stopped")
+
+
+__all__ = ["ConfigError", "Run", "RunFailed", "attach", "launch", "read_json"]

@@ -1,0 +1,103 @@
+"""The strategy interface: how every parallelism plugs into the one training loop.
+
+A strategy builds this rank's model and optimizer, does one optimizer step on a *global* batch
+(taking its own part of it), reports memory by category, and gives and takes state dicts. The
+loop (``dlab.train``) owns the data, timing, metrics and checkpoint cadence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dlab import models
+from dlab.comm.instrumented import Comm
+from dlab.config import RunConfig
+from dlab.metrics import ActivationMeter, model_state_memory
+from dlab.timeline import Timeline
+
+
+@dataclass
+class Context:
+    """What a strategy is handed on its rank. ``comm`` is the world group's counting wrapper;
+    a strategy that needs subgroups builds them from here (there is no global mesh)."""
+
+    config: RunConfig
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    timeline: Timeline
+    comm: Comm
+
+
+class Strategy:
+    name = ""
+    #: world sizes this strategy runs at (None: any)
+    world_sizes: tuple[int, ...] | None = None
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.meter: ActivationMeter | None = None
+
+    # --- checks (class level: run before any process starts) ------------------------------
+    @classmethod
+    def problems(cls, config: RunConfig) -> list[str]:
+        if cls.world_sizes is not None and config.world_size not in cls.world_sizes:
+            return [f"strategy {config.strategy!r} runs at world_size {list(cls.world_sizes)}, "
+                    f"not {config.world_size}"]
+        return []
+
+    # --- the interface --------------------------------------------------------------------
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One optimizer step on the global ``batch``; returns the global mean loss."""
+        raise NotImplementedError
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held by this rank, by category (dlab.metrics.CATEGORIES)."""
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every model parameter at full size, on every rank (a collective for sharded
+        strategies): what parity tests and full checkpoints compare."""
+        raise NotImplementedError
+
+    def comms(self) -> list[Comm]:
+        """The counting wrappers whose traffic this strategy generates."""
+        return [self.ctx.comm]
+
+    # --- helpers shared by strategies -----------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        cfg = self.ctx.config
+        return models.build(cfg.model, cfg.model_options, cfg.seed).to(self.ctx.device)
+
+    def build_optimizer(self, params) -> torch.optim.Optimizer:
+        cfg = self.ctx.config
+        if cfg.optimizer == "adam":
+            return torch.optim.Adam(params, lr=cfg.lr)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+
+    def replica_memory(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Memory of a rank holding a whole model replica (no sharding)."""
+        mem = model_state_memory(model.parameters(), optimizer)
+        mem["activations"] = self.meter.peak if self.meter else 0
+        mem["comm_buffers"] = 0
+        return mem
+
+    def mean_loss(self, loss: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
+        """The global mean of a per-shard mean loss, for logging. It uses the raw backend, not
+        ``Comm``, so the bytes a strategy is charged are its own."""
+        t = loss.detach().float().reshape(1).clone()
+        dist.all_reduce(t, group=group)
+        return t.item() / dist.get_world_size(group)
+
+
+def data_parallel_problems(config: RunConfig, dp: int) -> list[str]:
+    if config.batch_size % dp:
+        return [f"the global batch_size={config.batch_size} does not split evenly over {dp} "
+                f"data-parallel ranks; use a multiple of {dp}"]
+    return []

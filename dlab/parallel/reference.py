@@ -1,0 +1,108 @@
+"""The two references every other strategy is tested against.
+
+- ``single``: one process, the whole model and the whole global batch. The ground truth.
+- ``torch-ddp``: PyTorch's DistributedDataParallel on the same model and global batch; the peer
+  dlab's own data-parallel strategies are benchmarked against.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from dlab.data import shard
+from dlab.metrics import ActivationMeter
+from dlab.parallel import register
+from dlab.parallel.base import Strategy, data_parallel_problems
+
+
+@register("single")
+class Single(Strategy):
+    """One process, the whole model and the whole global batch: the ground truth."""
+    world_sizes = (1,)
+
+    def setup(self) -> None:
+        self.model = self.build_model()
+        self.optimizer = self.build_optimizer(self.model.parameters())
+        self.meter = ActivationMeter(self.model.parameters())
+
+    def step(self, batch):
+        x, y = (t.to(self.ctx.device) for t in batch)
+        tl = self.ctx.timeline
+        self.optimizer.zero_grad()
+        self.meter.reset_peak()
+        with tl.span("forward"), self.meter.track():
+            loss = self.model.criterion(self.model(x), y)
+        with tl.span("backward"):
+            loss.backward()
+        with tl.span("optimizer"):
+            self.optimizer.step()
+        return loss.item()
+
+    def memory(self):
+        return self.replica_memory(self.model, self.optimizer)
+
+    def full_state_dict(self):
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+
+@register("torch-ddp")
+class TorchDDP(Strategy):
+    """PyTorch's DistributedDataParallel, the peer for dlab's data parallelism.
+
+    ``options``: ``bucket_cap_mb`` (PyTorch's default 25).
+
+    Gradients are views into DDP's buckets (``gradient_as_bucket_view=True``), so the bucket
+    memory is the gradient memory and is counted once, under "gradients". A Python comm hook
+    that does exactly what the built-in one does (divide by N, all-reduce) counts the bytes and
+    records each bucket's all-reduce on the timeline.
+    """
+
+    @classmethod
+    def problems(cls, config):
+        return super().problems(config) + data_parallel_problems(config, config.world_size)
+
+    def setup(self) -> None:
+        self.model = self.build_model()
+        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(
+            self.model, device_ids=device_ids, gradient_as_bucket_view=True,
+            bucket_cap_mb=self.ctx.config.options.get("bucket_cap_mb", 25))
+        self.ddp.register_comm_hook(self, _counting_allreduce_hook)
+        self.optimizer = self.build_optimizer(self.ddp.parameters())
+        self.meter = ActivationMeter(self.model.parameters())
+
+    def step(self, batch):
+        x, y = (t.to(self.ctx.device) for t in shard(batch, self.ctx.rank, self.ctx.world_size))
+        tl = self.ctx.timeline
+        self.optimizer.zero_grad()
+        self.meter.reset_peak()
+        with tl.span("forward"), self.meter.track():
+            loss = self.model.criterion(self.ddp(x), y)
+        with tl.span("backward"):
+            loss.backward()  # DDP's reducer all-reduces buckets as they fill, then waits
+        with tl.span("optimizer"):
+            self.optimizer.step()
+        return self.mean_loss(loss)
+
+    def memory(self):
+        return self.replica_memory(self.model, self.optimizer)
+
+    def full_state_dict(self):
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+
+def _counting_allreduce_hook(strategy, bucket):
+    # No annotations: DDP checks them at registration and this module defers annotations.
+    comm, tl = strategy.ctx.comm, strategy.ctx.timeline
+    start = tl.now()
+    work = comm.all_reduce(bucket.buffer().div_(comm.size), async_op=True)
+
+    def finished(fut):
+        work.stats.seconds += time.perf_counter() - work.start
+        tl.add("all_reduce", start, tl.now(), bucket=bucket.index())
+        return fut.value()[0]
+
+    return work.get_future().then(finished)

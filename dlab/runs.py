@@ -1,0 +1,168 @@
+"""The run directory: the one contract between ranks and whoever watches them.
+
+::
+
+    runs/20261122-101500-ddp-w4/
+      config.json              the RunConfig
+      launch.json              how it was started (command, port, pid) - only when dlab launched it
+      torchrun.log             torchrun's own output (agent messages, failure summary)
+      logs/rank{r}.log         each rank's stdout and stderr
+      metrics/rank{r}.jsonl    one JSON object per step: loss, step_time, tokens/s, memory, comm
+      timeline/rank{r}.jsonl   one JSON object per event: kind, step, start, end (seconds after
+                               the clock-aligning barrier), plus mb / stage where they apply
+      ranks/rank{r}.json       written by the rank when it ends: ok, or its exception + traceback
+      status.json              written by the launcher when the run ends: state, exit code per rank
+      final_state.pt           full final parameters (only with save_final=True)
+
+Everything is append-only JSON lines or whole files written by rename, so a reader can follow a
+live run (``follow``) or open a finished one, from this kernel, a later one, or a cluster's
+shared file system. Ranks never talk to the notebook in any other way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+
+
+def write_json(path: Path, obj) -> None:
+    """Whole-file write by rename: a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, default=None):
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return default
+
+
+class JsonlTail:
+    """Reads the complete lines appended to a JSON-lines file since the last call. A line that
+    is still being written (no newline yet) is left for next time."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = Path(path), 0
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, root: str | Path, label: str) -> "RunDir":
+        """A new, unique directory ``root/<time>-<label>``; two runs started in the same second,
+        from one process or two, get different directories (mkdir is atomic)."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        for n in range(1000):
+            path = root / (f"{stamp}-{label}" + (f"-{n}" if n else ""))
+            try:
+                path.mkdir()
+                return cls(path)
+            except FileExistsError:
+                continue
+        raise RuntimeError(f"could not create a fresh run directory under {root}")
+
+    # paths ------------------------------------------------------------------------------
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def metrics_file(self, rank: int) -> Path:
+        return self.path / "metrics" / f"rank{rank}.jsonl"
+
+    def timeline_file(self, rank: int) -> Path:
+        return self.path / "timeline" / f"rank{rank}.jsonl"
+
+    def log_file(self, rank: int) -> Path:
+        return self.path / "logs" / f"rank{rank}.log"
+
+    def report_file(self, rank: int) -> Path:
+        return self.path / "ranks" / f"rank{rank}.json"
+
+    # reading ----------------------------------------------------------------------------
+    def config(self) -> dict:
+        return read_json(self.path / "config.json", {})
+
+    def world_size(self) -> int:
+        return int(self.config().get("world_size", 0))
+
+    def ranks(self) -> list[int]:
+        return list(range(self.world_size()))
+
+    def metrics(self, rank: int) -> list[dict]:
+        return JsonlTail(self.metrics_file(rank)).read()
+
+    def timeline(self, rank: int) -> list[dict]:
+        return JsonlTail(self.timeline_file(rank)).read()
+
+    def report(self, rank: int) -> dict | None:
+        return read_json(self.report_file(rank))
+
+    def log(self, rank: int) -> str:
+        try:
+            return self.log_file(rank).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def status(self) -> dict:
+        """The launcher's final status when there is one; otherwise what the ranks' own reports
+        say (a run started by torchrun or Slurm has no launcher to write status.json)."""
+        final = read_json(self.path / "status.json")
+        if final:
+            return final
+        reports = {r: self.report(r) for r in self.ranks()}
+        failed = {r: rep for r, rep in reports.items() if rep and not rep.get("ok")}
+        if failed:
+            return {"state": "failed", "ranks": reports}
+        if reports and all(rep and rep.get("ok") for rep in reports.values()):
+            return {"state": "ok", "ranks": reports}
+        return {"state": "running", "ranks": reports}
+
+
+class RankWriter:
+    """What one rank writes: metrics and timeline lines (flushed per step), and its final
+    report. Opened lazily so a rank that fails early leaves only what it got to."""
+
+    def __init__(self, run: RunDir, rank: int):
+        self.run, self.rank = run, rank
+        for sub in ("metrics", "timeline", "ranks", "logs"):
+            (run.path / sub).mkdir(exist_ok=True)
+        self._metrics = open(run.metrics_file(rank), "a")
+        self._timeline = open(run.timeline_file(rank), "a")
+
+    def metric(self, record: dict) -> None:
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+
+    def events(self, records: list[dict]) -> None:
+        if records:
+            self._timeline.write("".join(json.dumps(r) + "\n" for r in records))
+            self._timeline.flush()
+
+    def report(self, **fields) -> None:
+        write_json(self.run.report_file(self.rank),
+                   {"rank": self.rank, "pid": os.getpid(), "time": time.time(), **fields})
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._timeline.close()

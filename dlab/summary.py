@@ -1,0 +1,82 @@
+"""A run's summary: one row per rank, read from its metrics.
+
+Definitions: step time and tokens/s are medians over the steps after the first (the first step
+pays for lazy initialisation and is reported apart as ``first_step_s``); memory is each
+category's peak over the run; communication is bytes this rank sent per step and the seconds
+it spent waiting in collectives per step.
+"""
+from __future__ import annotations
+
+import statistics
+
+from dlab.metrics import CATEGORIES
+
+MiB = 2 ** 20
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+class Summary:
+    def __init__(self, name: str, state: str, rows: list[dict]):
+        self.name, self.state, self.rows = name, state, rows
+
+    @classmethod
+    def of(cls, run) -> "Summary":
+        rows = []
+        for rank in run.dir.ranks():
+            ms = run.metrics(rank)
+            if not ms:
+                rows.append({"rank": rank, "steps": 0})
+                continue
+            steady = ms[1:] or ms
+            memory = {c: max(m["memory"].get(c, 0) for m in ms) for c in CATEGORIES}
+            rows.append({
+                "rank": rank, "steps": len(ms), "loss": ms[-1]["loss"],
+                "first_step_s": ms[0]["step_time"],
+                "step_time_s": _median([m["step_time"] for m in steady]),
+                "tokens_per_s": _median([m["tokens_per_s"] for m in steady]),
+                "mfu": _median([m["mfu"] for m in steady]),
+                "memory": memory, "memory_total": sum(memory.values()),
+                "comm_sent_per_step": _median([m["comm"]["sent_bytes"] for m in steady]),
+                "comm_s_per_step": _median([m["comm"]["seconds"] for m in steady]),
+            })
+        return cls(run.path.name, run.state, rows)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "state": self.state, "rows": self.rows}
+
+    def table(self) -> tuple[list[str], list[list[str]]]:
+        head = ["rank", "steps", "loss", "step ms", "tok/s", "MFU", "params MiB", "grads MiB",
+                "optim MiB", "activ MiB", "comm MiB/step", "comm ms/step"]
+        body = []
+        for r in self.rows:
+            if not r["steps"]:
+                body.append([str(r["rank"]), "0"] + ["-"] * (len(head) - 2))
+                continue
+            m = r["memory"]
+            body.append([str(r["rank"]), str(r["steps"]), f"{r['loss']:.4f}",
+                         f"{1e3 * r['step_time_s']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                         f"{100 * r['mfu']:.1f}%", f"{m['parameters'] / MiB:.2f}",
+                         f"{m['gradients'] / MiB:.2f}", f"{m['optimizer'] / MiB:.2f}",
+                         f"{m['activations'] / MiB:.2f}",
+                         f"{r['comm_sent_per_step'] / MiB:.3f}",
+                         f"{1e3 * r['comm_s_per_step']:.1f}"])
+        return head, body
+
+    def __str__(self) -> str:
+        head, body = self.table()
+        widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h)
+                  for i, h in enumerate(head)]
+        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        return "\n".join([f"{self.name}: {self.state}", line(head),
+                          "  ".join("-" * w for w in widths), *map(line, body)])
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        head, body = self.table()
+        rows = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in body)
+        return (f"<b>{self.name}</b>: {self.state}<table><tr>"
+                + "".join(f"<th>{h}</th>" for h in head) + f"</tr>{rows}</table>")

@@ -1,0 +1,172 @@
+"""The program every rank runs: ``python -m dlab.worker``, under torchrun (or Slurm).
+
+From ``dlab.launch`` it gets ``--config <run>/config.json --run-dir <run>``. On a cluster it is
+started the usual way, with the config as flags::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
+        -m dlab.worker --run-dir /shared/runs/exp1 ddp --steps 100 --model-opt n_layer=12
+
+It reads the standard variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; under
+``srun`` without torchrun, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), initialises the process
+group with the config's deadline, runs the job, and writes everything to the run directory.
+Whatever happens, the rank leaves a report (``ranks/rank{r}.json``): ok, or its exception and
+traceback; a timeout is reported as the deadline it is.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+from dlab.config import RunConfig, add_arguments, from_args
+from dlab.runs import RankWriter, RunDir
+
+
+def _adopt_slurm_env() -> None:
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when its parent (torchrun's agent) dies, so a killed
+    agent can never leave ranks behind. Ranks run in their own sessions under torchrun, so a
+    signal to the agent's process group would not reach them."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+
+
+def _redirect_output(path: Path) -> None:
+    """Send this process's stdout and stderr (also from C++) to its log file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+
+
+def _timeout_hint(exc: BaseException, timeout_s: float) -> str:
+    text = f"{type(exc).__name__} {exc}".lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"a collective did not complete within the deadline (timeout_s={timeout_s:g} s): "
+                f"another rank never joined it (stuck, hung, or in a different collective). "
+                f"Raise timeout_s if the work is just slow.")
+    return ""
+
+
+def parse(argv: list[str] | None):
+    p = argparse.ArgumentParser(prog="python -m dlab.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--run-dir", help="run directory (default: runs/<slurm job or torchrun id>)")
+    p.add_argument("--config", help="config.json to run (instead of the flags)")
+    p.add_argument("--call", help="module:function to call on every rank (dlab.spawn)")
+    add_arguments(p, strategy_required=False)
+    return p.parse_args(argv)
+
+
+def _default_run_dir() -> Path:
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+    return Path("runs") / f"job-{job}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    _adopt_slurm_env()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    run = RunDir(args.run_dir or _default_run_dir())
+    run.path.mkdir(parents=True, exist_ok=True)
+    if args.config:
+        cfg = RunConfig.load(args.config)
+    elif args.call:
+        cfg = RunConfig(strategy="call", world_size=world,
+                        timeout_s=args.timeout, threads_per_rank=args.threads)
+    else:
+        cfg = from_args(args)
+        cfg.world_size = world
+        if rank == 0 and not (run.path / "config.json").exists():
+            cfg.save(run.path / "config.json")
+    if os.environ.get("DLAB_REDIRECT") == "1":
+        (run.path / "logs").mkdir(exist_ok=True)
+        _redirect_output(run.log_file(rank))
+    _die_with_parent()
+    writer = RankWriter(run, rank)
+    state = {"step": None}
+    try:
+        if cfg.world_size != world:
+            raise RuntimeError(f"config says world_size={cfg.world_size} but this job has "
+                               f"WORLD_SIZE={world}")
+        if not args.call:
+            cfg.validate()
+        result = _run(cfg, run, writer, rank, world, local_rank, state, args.call)
+        writer.report(ok=True, step=state["step"], **(result or {}))
+        writer.close()
+    except BaseException as exc:  # noqa: BLE001 - every failure must leave a report
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        writer.report(ok=False, step=state["step"], exception=type(exc).__name__,
+                      message=str(exc), traceback=tb, hint=_timeout_hint(exc, cfg.timeout_s))
+        # Skip interpreter teardown: destroying a process group whose peers are gone can block.
+        os._exit(1)
+
+
+def _run(cfg: RunConfig, run: RunDir, writer: RankWriter, rank: int, world: int,
+         local_rank: int, state: dict, call: str | None) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(cfg.threads_per_rank)
+    device = torch.device(cfg.resolved_device(), local_rank if cfg.resolved_device() == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(cfg.resolved_backend(), timeout=timedelta(seconds=cfg.timeout_s))
+    try:
+        if call:
+            from dlab.spawn import run_call
+            run_call(call, run, rank)
+            return None
+        return _train(cfg, writer, rank, world, local_rank, device, state)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
+    import torch.distributed as dist
+
+    from dlab import parallel
+    from dlab.comm.instrumented import Comm
+    from dlab.parallel.base import Context
+    from dlab.timeline import Timeline
+    from dlab.train import train
+
+    timeline = Timeline()
+    ctx = Context(cfg, rank, world, local_rank, device, timeline, Comm())
+    strategy = parallel.get(cfg.strategy)(ctx)
+    strategy.setup()
+    dist.barrier()
+    t0_wall = timeline.align()
+    state["step"] = 0
+    train(ctx, strategy, writer, state)
+    if cfg.save_final:
+        full = strategy.full_state_dict()
+        if rank == 0:
+            import torch
+            torch.save(full, writer.run.path / "final_state.pt")
+    dist.barrier()
+    return {"t0_wall": t0_wall, "peak_flops": state["peak_flops"],
+            "peak_source": state["peak_source"], "device": str(device)}
+
+
+if __name__ == "__main__":
+    main()
