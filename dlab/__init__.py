@@ -12,3 +12,9 @@ from dlab.spawn import spawn
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "Run", "RunConfig", "RunFailed", "attach", "launch", "spawn"]
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext dlab``: registers the ``%%distributed`` cell magic."""
+    from dlab.magic import register_magics
+    register_magics(ipython)

@@ -85,6 +85,11 @@ def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | N
         exit_codes[r] = 0 if rep and rep.get("ok") else listed.get(r, 1 if rep else None)
     raised = {r: rep for r, rep in reports.items() if rep and not rep.get("ok")}
     silent = [r for r in reports if not reports[r] and listed.get(r, 0) != 0]
+    # A rank torchrun itself ended with SIGTERM is a casualty of the teardown, not a cause.
+    stopped = [r for r in silent if listed[r] == -signal.SIGTERM]
+    silent = [r for r in silent if r not in stopped]
+    if not raised and not silent:
+        silent = stopped
     if not raised and not silent:
         if torchrun_exit and not any(reports.values()):
             return RunFailed(run, None, exit_code=torchrun_exit, exit_codes=exit_codes,
@@ -104,9 +109,13 @@ def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | N
         r = min((rep["time"], r) for r, rep in raised.items())[1]
     rep = raised.get(r)
     if rep:
+        hint = rep.get("hint", "")
+        if hint and stopped:
+            hint += (f" Rank(s) {stopped} made no report and were stopped at the teardown: "
+                     f"the likely stuck one(s).")
         return RunFailed(run, r, exception=rep["exception"], message=rep["message"],
                          traceback=rep["traceback"], step=rep.get("step"), exit_code=exit_codes[r],
-                         hint=rep.get("hint", ""), exit_codes=exit_codes)
+                         hint=hint, exit_codes=exit_codes)
     return RunFailed(run, r, step=_last_step(run, r), exit_code=listed[r], exit_codes=exit_codes,
                      log_tail=_tail(run.log(r), 8))
 

@@ -1,16 +1,17 @@
 """The strategy registry: a strategy is launched by name from a notebook, the CLI or torchrun.
 
-Modules listed in ``_MODULES`` register their strategies with ``@register(name)`` when
-imported; ``get(name)`` imports them on first use.
+Every module (or subpackage) of ``dlab.parallel`` registers its strategies with
+``@register(name)`` when imported; ``names()`` and ``get(name)`` import them all on first use, so
+a new strategy family is one new file and nothing else to edit.
 """
 from __future__ import annotations
 
 import difflib
 import importlib
+import pkgutil
 
 from dlab.parallel.base import Context, Strategy
 
-_MODULES = ["dlab.parallel.reference"]
 _REGISTRY: dict[str, type[Strategy]] = {}
 
 
@@ -23,8 +24,8 @@ def register(name: str):
 
 
 def names() -> list[str]:
-    for module in _MODULES:
-        importlib.import_module(module)
+    for module in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
+        importlib.import_module(module.name)
     return sorted(_REGISTRY)
 
 

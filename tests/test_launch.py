@@ -1,0 +1,75 @@
+"""The runtime end to end: launch, run directory, parity of the references, attach, runs that
+start together, and the worker started by torchrun itself (a two-node rehearsal)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import TINY_GPT, assert_same_training, losses
+
+import dlab
+from dlab.launch import free_port
+from dlab.runs import RunDir
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_torch_ddp_matches_single(world_size, runs_dir, reference):
+    run = dlab.launch("torch-ddp", world_size, runs_dir=runs_dir, wait=True, save_final=True,
+                      **TINY_GPT)
+    assert_same_training(run, reference(**TINY_GPT))
+    # every rank logs the same global loss
+    assert all(losses(run, r) == losses(run, 0) for r in range(world_size))
+
+
+def test_run_directory_holds_the_contract(runs_dir):
+    run = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, **TINY_GPT)
+    d = run.dir
+    assert d.config()["strategy"] == "torch-ddp"
+    assert run.status()["state"] == "ok" and run.status()["exit_codes"] == {"0": 0, "1": 0}
+    for r in (0, 1):
+        ms = run.metrics(r)
+        assert [m["step"] for m in ms] == [0, 1, 2, 3]
+        assert set(ms[0]["memory"]) == set(dlab.metrics.CATEGORIES)
+        assert ms[0]["tokens"] == 8 * 32 and ms[0]["tokens_per_s"] > 0
+        kinds = {e["kind"] for e in run.timeline(r)}
+        assert {"forward", "backward", "optimizer", "step", "all_reduce"} <= kinds
+        assert d.report(r)["ok"] is True
+        assert d.log_file(r).exists()
+    summary = run.summary()
+    assert [row["rank"] for row in summary.rows] == [0, 1] and "ok" in str(summary)
+
+
+def test_attach_reads_a_finished_run(runs_dir):
+    run = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, **TINY_GPT)
+    again = dlab.attach(run.path)
+    assert again.state == "ok" and losses(again) == losses(run)
+    with pytest.raises(FileNotFoundError, match="not a dlab run directory"):
+        dlab.attach(runs_dir)
+
+
+def test_two_runs_at_once_do_not_collide(runs_dir):
+    a = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, name="same", **TINY_GPT)
+    b = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, name="same", **TINY_GPT)
+    a.wait(timeout=120)
+    b.wait(timeout=120)
+    assert a.path != b.path
+    ports = {RunDir(r.path).path.joinpath("launch.json").read_text() for r in (a, b)}
+    assert len(ports) == 2 and losses(a) == losses(b)
+
+
+def test_two_torchrun_nodes_write_one_run_directory(tmp_path):
+    """A multi-node rehearsal: two torchrun agents (--nnodes 2, c10d rendezvous on localhost),
+    one rank each, exactly as a two-node cluster job would start them."""
+    run_dir, port = tmp_path / "two-nodes", free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=rehearsal",
+           "-m", "dlab.worker", "--run-dir", str(run_dir), "torch-ddp", "--steps", "3",
+           "--model-opt", "n_layer=1", "--model-opt", "d_model=32", "--model-opt", "n_head=2"]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outputs = [a.communicate(timeout=120)[0].decode() for a in agents]
+    assert all(a.returncode == 0 for a in agents), outputs
+    run = dlab.attach(run_dir)
+    assert run.world_size == 2 and run.state == "ok"
+    assert [len(run.metrics(r)) for r in (0, 1)] == [3, 3]
+    assert losses(run, 0) == losses(run, 1)
