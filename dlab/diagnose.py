@@ -27,7 +27,9 @@ class RunFailed(RuntimeError):
 
     def __init__(self, run: RunDir, rank: int | None, *, exception: str = "", message: str = "",
                  traceback: str = "", step: int | None = None, exit_code: int | None = None,
-                 hint: str = "", exit_codes: dict | None = None, log_tail: str = ""):
+                 hint: str = "", exit_codes: dict | None = None, log_tail: str = "",
+                 unreported: list[int] | None = None):
+        self.unreported = unreported or []  # ranks stopped at the teardown before they reported
         self.run, self.rank, self.exception, self.message = run, rank, exception, message
         self.traceback, self.step, self.exit_code, self.hint = traceback, step, exit_code, hint
         self.exit_codes, self.log_tail = exit_codes or {}, log_tail
@@ -115,7 +117,7 @@ def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | N
                      f"the likely stuck one(s).")
         return RunFailed(run, r, exception=rep["exception"], message=rep["message"],
                          traceback=rep["traceback"], step=rep.get("step"), exit_code=exit_codes[r],
-                         hint=hint, exit_codes=exit_codes)
+                         hint=hint, exit_codes=exit_codes, unreported=stopped)
     return RunFailed(run, r, step=_last_step(run, r), exit_code=listed[r], exit_codes=exit_codes,
                      log_tail=_tail(run.log(r), 8))
 

@@ -1,0 +1,62 @@
+"""``python -m dlab bench launch``: what dlab's launcher costs over plain torchrun.
+
+The same work (torch-ddp on a small GPT, a few steps) is started two ways: ``dlab.launch`` and
+a bare ``python -m torch.distributed.run --standalone ... -m dlab.worker``. For each we time
+from the call to the first metric line in the run directory (start-up: interpreters, imports,
+rendezvous, process group, model build, first step) and to completion. Median of repeats.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dlab.bench import compared, median
+from dlab.launch import launch
+
+WORK = {"steps": 10, "model_options": {"n_layer": 2, "d_model": 64, "n_head": 4}, "batch_size": 8}
+
+
+def _first_line(path: Path, proc_alive, start: float) -> float:
+    while not (path.exists() and path.stat().st_size) and proc_alive():
+        time.sleep(0.01)
+    return time.perf_counter() - start
+
+
+def _dlab(n: int, root: Path) -> tuple[float, float]:
+    start = time.perf_counter()
+    run = launch("torch-ddp", n, runs_dir=root, **WORK)
+    first = _first_line(run.dir.metrics_file(0), lambda: run.proc.poll() is None, start)
+    run.wait()
+    return first, time.perf_counter() - start
+
+
+def _torchrun(n: int, root: Path) -> tuple[float, float]:
+    run_dir = root / f"plain-{time.monotonic_ns()}"
+    opts = [f"--model-opt={k}={v}" for k, v in WORK["model_options"].items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", "dlab.worker", "--run-dir", str(run_dir), "torch-ddp", "--steps", str(WORK["steps"]),
+           "--batch-size", str(WORK["batch_size"]), *opts]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    first = _first_line(run_dir / "metrics" / "rank0.jsonl", lambda: proc.poll() is None, start)
+    if proc.wait() != 0:
+        raise RuntimeError(f"plain torchrun failed: {' '.join(cmd)}")
+    return first, time.perf_counter() - start
+
+
+def run(quick: bool = False) -> list[dict]:
+    repeats = 1 if quick else 3
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (2, 4):
+            mine = [_dlab(n, Path(tmp)) for _ in range(repeats)]
+            peer = [_torchrun(n, Path(tmp)) for _ in range(repeats)]
+            for i, metric in enumerate(("to_first_metric_s", "to_completion_s")):
+                rows.append(compared(median([m[i] for m in mine]), median([p[i] for p in peer]),
+                                     name="launch", ranks=n, metric=metric))
+    return rows

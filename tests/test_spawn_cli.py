@@ -1,0 +1,48 @@
+"""dlab.spawn (a function or code on N ranks) and the command line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import dlab
+
+
+def rank_and_sum(scale):
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), scale * t.item()
+
+
+def test_spawn_returns_every_rank_result(runs_dir):
+    assert dlab.spawn(rank_and_sum, 3, 10, runs_dir=runs_dir) == [(0, 60.0), (1, 60.0), (2, 60.0)]
+
+
+def test_spawn_code_names_the_raising_rank(runs_dir):
+    code = "if rank == 1:\n    raise ValueError('bad shard')\nresult = rank"
+    with pytest.raises(dlab.RunFailed, match="rank 1 of 2 failed: ValueError: bad shard") as info:
+        dlab.spawn(code, 2, runs_dir=runs_dir, timeout_s=10)
+    assert info.value.rank == 1
+
+
+def test_cli_run_prints_a_summary_and_refuses_bad_input(runs_dir, tmp_path):
+    out = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "dlab", "run", "torch-ddp", "-n", "2", "--steps", "3",
+           "--model-opt", "n_layer=1", "--runs-dir", str(runs_dir), "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "step ms" in done.stdout and "ok" in done.stdout
+    assert [r["steps"] for r in json.loads(out.read_text())["rows"]] == [3, 3]
+    bad = subprocess.run(cmd[:5] + ["-n", "3", "--batch-size", "8"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "does not split evenly over 3" in bad.stderr
+
+
+def test_cli_env_reports_backends():
+    done = subprocess.run([sys.executable, "-m", "dlab", "env", "--json", "--no-measure"],
+                          capture_output=True, text=True, timeout=60)
+    info = json.loads(done.stdout)
+    assert info["backends"]["gloo"] is True and info["auto_backend"]
