@@ -22,6 +22,7 @@ import psutil
 
 from dlab.config import ConfigError, RunConfig
 from dlab.diagnose import RunFailed, find_failure
+from dlab.metrics import measure_cpu_peak_flops
 from dlab.runs import JsonlTail, RunDir, read_json, write_json
 from dlab.summary import Summary
 
@@ -64,7 +65,8 @@ def _worker_env(threads: int) -> dict[str, str]:
     # The worker imports dlab from wherever this process did, installed or not.
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS=str(threads), DLAB_REDIRECT="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS=str(threads), DLAB_REDIRECT="1", PYTHONUNBUFFERED="1",
+               DLAB_CPU_PEAK_FLOPS=str(measure_cpu_peak_flops(threads)))
     return env
 
 

@@ -7,6 +7,8 @@ reported beside it.
 """
 from __future__ import annotations
 
+import functools
+import os
 import time
 import weakref
 from collections.abc import Iterable
@@ -121,8 +123,11 @@ class Stopwatch:
         return time.perf_counter()
 
 
+@functools.lru_cache(maxsize=None)
 def measure_cpu_peak_flops(threads: int = 1, n: int = 512, seconds: float = 0.3) -> float:
-    """fp32 matmul FLOP/s of this CPU with ``threads`` threads: the MFU denominator on CPU."""
+    """fp32 matmul FLOP/s of this CPU with ``threads`` threads: the MFU denominator on CPU.
+    Measured once per process; the launcher passes its figure to the ranks, which would
+    otherwise measure it all at once, competing for the same cores."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -145,4 +150,6 @@ def device_peak_flops(device: torch.device, threads: int = 1, dtype: str = "fp32
             if model in name:
                 return peaks[dtype], f"datasheet {model} {dtype}"
         return float("nan"), f"unknown GPU {name!r}"
+    if os.environ.get("DLAB_CPU_PEAK_FLOPS"):  # measured once by the launcher, on a quiet CPU
+        return float(os.environ["DLAB_CPU_PEAK_FLOPS"]), f"measured fp32 matmul, {threads} thread(s)"
     return measure_cpu_peak_flops(threads), f"measured fp32 matmul, {threads} thread(s)"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from dlab import faults
 from dlab.comm.instrumented import OpStats
 from dlab.data import make_data
@@ -50,7 +52,7 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict) -> 
         seconds = time.perf_counter() - start
         ctx.timeline.add("step", wall, ctx.timeline.now())
         after_total, after_ops = _comm_totals(strategy)
-        writer.metric({
+        record = {
             "step": step, "rank": ctx.rank, "time": ctx.timeline.now(),
             "loss": loss, "step_time": seconds,
             "tokens": tokens, "tokens_per_s": tokens / seconds,
@@ -58,7 +60,10 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict) -> 
             "memory": strategy.memory(),
             "comm": _delta(after_total, before_total),
             "comm_by_op": {op: _delta(s, before_ops.get(op)) for op, s in after_ops.items()},
-        })
+        }
+        if ctx.device.type == "cuda":
+            record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+        writer.metric(record)
         writer.events(ctx.timeline.drain())
     state["step"] = cfg.steps
     state["peak_flops"], state["peak_source"] = peak, peak_source
