@@ -36,6 +36,12 @@ class RunConfig:
     options: dict = field(default_factory=dict)  # strategy-specific, see each strategy's doc
     fault: dict | None = None  # {"rank": r, "step": s, "kind": raise|kill|hang|exit}
     save_final: bool = False  # rank 0 writes the full final parameters to final_state.pt
+    checkpoint_every: int = 0  # steps between checkpoints (0: none)
+    checkpoint_kind: str = "sharded"  # sharded (a file per rank) | full (one gathered file)
+    checkpoint_async: bool = False  # write in a thread while training goes on
+    keep_checkpoints: int = 2
+    resume: str = ""  # "latest" (this run directory's newest checkpoint), or a checkpoint or run path
+    max_restarts: int = 0  # torchrun restarts every rank this often after a failure
     name: str = ""
 
     # --- derived -------------------------------------------------------------------------
@@ -82,6 +88,7 @@ class RunConfig:
             p.append(str(e))
         p += self._device_problems()
         p += self._fault_problems()
+        p += self._checkpoint_problems()
         if p:  # strategy checks assume the basics hold
             return p
         from dlab import parallel
@@ -89,7 +96,27 @@ class RunConfig:
             strategy = parallel.get(self.strategy)
         except ValueError as e:
             return [str(e)]
+        if (self.checkpoint_every or self.resume) and not strategy.can_checkpoint():
+            return [f"strategy {self.strategy!r} cannot save checkpoints yet; "
+                    f"set checkpoint_every=0 and resume=''"]
         return strategy.problems(self)
+
+    def _checkpoint_problems(self) -> list[str]:
+        p = []
+        if self.checkpoint_kind not in ("sharded", "full"):
+            p.append(f"checkpoint_kind must be 'sharded' or 'full' (got {self.checkpoint_kind!r})")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_restarts < 0:
+            p.append("checkpoint_every and max_restarts must be >= 0, keep_checkpoints >= 1")
+        if self.resume not in ("", "latest"):
+            from dlab.checkpoint import find
+            try:
+                find(self.resume)
+            except FileNotFoundError as e:
+                p.append(f"resume: {e}")
+        if self.max_restarts and not self.checkpoint_every:
+            p.append("max_restarts without checkpoints restarts from step 0; "
+                     "set checkpoint_every (e.g. 5) too")
+        return p
 
     def _device_problems(self) -> list[str]:
         p = []
@@ -196,6 +223,12 @@ def add_arguments(parser, strategy_required: bool = True) -> None:
     parser.add_argument("--fault", metavar="RANK:STEP:KIND",
                         help=f"inject a fault; KIND is one of {', '.join(FAULT_KINDS)}")
     parser.add_argument("--save-final", action="store_true")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--checkpoint-kind", default=d.checkpoint_kind, help="sharded or full")
+    parser.add_argument("--checkpoint-async", action="store_true")
+    parser.add_argument("--resume", default="", metavar="latest|PATH",
+                        help="start from a checkpoint: this run's newest, or a checkpoint or run directory")
+    parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--name", default="")
 
 
@@ -213,4 +246,6 @@ def from_args(args) -> RunConfig:
         optimizer=args.optimizer, lr=args.lr, seed=args.seed, backend=args.backend,
         device=args.device, threads_per_rank=args.threads, timeout_s=args.timeout,
         options=_pairs(args.opt, "--opt"), fault=fault, save_final=args.save_final,
-        name=args.name)
+        checkpoint_every=args.checkpoint_every, checkpoint_kind=args.checkpoint_kind,
+        checkpoint_async=args.checkpoint_async, resume=args.resume,
+        max_restarts=args.max_restarts, name=args.name)

@@ -20,8 +20,9 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def maybe_inject(fault: dict | None, rank: int, step: int) -> None:
-    if not fault or fault.get("rank", 0) != rank or fault.get("step", 0) != step:
+def maybe_inject(fault: dict | None, rank: int, step: int, attempt: int = 0) -> None:
+    """Only on the first attempt: after a torchrun restart the run must be able to go on."""
+    if not fault or attempt or fault.get("rank", 0) != rank or fault.get("step", 0) != step:
         return
     kind = fault["kind"]
     sys.stdout.flush()

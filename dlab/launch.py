@@ -51,7 +51,7 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
     run_dir = RunDir.create(runs_dir, cfg.name or f"{strategy}-w{world_size}")
     cfg.save(run_dir / "config.json")
     run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
-                         threads=cfg.threads_per_rank)
+                         threads=cfg.threads_per_rank, max_restarts=cfg.max_restarts)
     if dashboard:
         from dlab.dashboard import watch
         watch(run, timeout=timeout)
@@ -60,26 +60,31 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
     return run
 
 
-def _worker_env(threads: int) -> dict[str, str]:
+def _worker_env(threads: int, restarts: bool) -> dict[str, str]:
     env = dict(os.environ)
     # The worker imports dlab from wherever this process did, installed or not.
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env.update(OMP_NUM_THREADS=str(threads), DLAB_REDIRECT="1", PYTHONUNBUFFERED="1",
                DLAB_CPU_PEAK_FLOPS=str(measure_cpu_peak_flops(threads)))
+    if restarts:
+        # Restarted ranks fail to reconnect on Gloo through the agent's shared store
+        # (TORCH_ON_CPU.md); with a store of their own they do.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
-def start_torchrun(run_dir: RunDir, nproc: int, worker_args: list[str], threads: int = 1) -> "Run":
+def start_torchrun(run_dir: RunDir, nproc: int, worker_args: list[str], threads: int = 1,
+                   max_restarts: int = 0) -> "Run":
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_dir.path.name}",
-           "--max-restarts=0", "--monitor-interval=0.1",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
            "-m", "dlab.worker", "--run-dir", str(run_dir.path.resolve()), *worker_args]
     with open(run_dir / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=_worker_env(threads))
+                                start_new_session=True, env=_worker_env(threads, max_restarts > 0))
     write_json(run_dir / "launch.json", {"command": cmd, "port": port, "pid": proc.pid,
                                          "host": socket.gethostname(), "started": time.time()})
     run = Run(run_dir.path, proc)
@@ -176,7 +181,7 @@ class Run:
             for record in self.stream(timeout=timeout):
                 if bar:
                     bar.update(record)
-                if self._a_rank_failed():
+                if self._a_rank_failed() and not self.config.get("max_restarts"):
                     self._give_torchrun(2.0)
         except BaseException:
             self.stop(reason="interrupted")

@@ -110,7 +110,10 @@ class RunDir:
         return list(range(self.world_size()))
 
     def metrics(self, rank: int) -> list[dict]:
-        return JsonlTail(self.metrics_file(rank)).read()
+        """One record per step. After a restart a step may have run twice; the later attempt,
+        the one the run went on from, is kept."""
+        by_step = {m["step"]: m for m in JsonlTail(self.metrics_file(rank)).read()}
+        return [by_step[s] for s in sorted(by_step)]
 
     def timeline(self, rank: int) -> list[dict]:
         return JsonlTail(self.timeline_file(rank)).read()

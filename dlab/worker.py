@@ -145,6 +145,7 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
     import torch.distributed as dist
 
     from dlab import parallel
+    from dlab.checkpoint import Checkpointer
     from dlab.comm.instrumented import Comm
     from dlab.parallel.base import Context
     from dlab.timeline import Timeline
@@ -154,10 +155,19 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
     ctx = Context(cfg, rank, world, local_rank, device, timeline, Comm())
     strategy = parallel.get(cfg.strategy)(ctx)
     strategy.setup()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    state["step"] = _resume(cfg, writer.run, strategy, rank, attempt)
+    checkpointer = None
+    if cfg.checkpoint_every:
+        checkpointer = Checkpointer(writer.run / "checkpoints", rank, world, cfg.checkpoint_kind,
+                                    cfg.keep_checkpoints, cfg.checkpoint_async,
+                                    meta={"strategy": cfg.strategy})
     dist.barrier()
     t0_wall = timeline.align()
-    state["step"] = 0
-    train(ctx, strategy, writer, state)
+    if attempt or state["step"]:
+        timeline.add("restart" if attempt else "resume", 0.0, 0.0, attempt=attempt,
+                     from_step=state["step"])
+    train(ctx, strategy, writer, state, checkpointer, attempt)
     if cfg.save_final:
         full = strategy.full_state_dict()
         if rank == 0:
@@ -166,6 +176,26 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
     dist.barrier()
     return {"t0_wall": t0_wall, "peak_flops": state["peak_flops"],
             "peak_source": state["peak_source"], "device": str(device)}
+
+
+def _resume(cfg, run: RunDir, strategy, rank: int, attempt: int) -> int:
+    """The step to start from: a restarted attempt takes this run's newest checkpoint; otherwise
+    ``resume`` names one ("latest", a checkpoint directory, or another run's directory)."""
+    import torch
+
+    from dlab import checkpoint
+    if attempt or cfg.resume == "latest":
+        path = checkpoint.latest(run / "checkpoints")
+    elif cfg.resume:
+        path = checkpoint.find(cfg.resume)
+    else:
+        return 0
+    if path is None:
+        return 0
+    reader = checkpoint.Reader(path)
+    strategy.load_checkpoint_state(reader)
+    torch.set_rng_state(reader.rng(rank))
+    return reader.step
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def reference(tmp_path_factory):
     def get(**config) -> dlab.Run:
         key = json.dumps(config, sort_keys=True)
         if key not in cache:
-            cache[key] = dlab.launch("single", 1, runs_dir=root, wait=True, save_final=True, **config)
+            cache[key] = dlab.launch("single", 1, runs_dir=root, wait=True, **{**config, "save_final": True})
         return cache[key]
 
     return get

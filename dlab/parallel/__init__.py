@@ -13,6 +13,7 @@ import pkgutil
 from dlab.parallel.base import Context, Strategy
 
 _REGISTRY: dict[str, type[Strategy]] = {}
+_BROKEN: dict[str, str] = {}  # module -> its import error, shown when a strategy is not found
 
 
 def register(name: str):
@@ -25,7 +26,10 @@ def register(name: str):
 
 def names() -> list[str]:
     for module in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
-        importlib.import_module(module.name)
+        try:
+            importlib.import_module(module.name)
+        except Exception as e:  # noqa: BLE001 - one broken module must not hide the others
+            _BROKEN[module.name] = f"{type(e).__name__}: {e}"
     return sorted(_REGISTRY)
 
 
@@ -34,7 +38,9 @@ def get(name: str) -> type[Strategy]:
     if name not in _REGISTRY:
         close = difflib.get_close_matches(str(name), known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"there is no strategy {name!r}.{hint} Known strategies: {', '.join(known)}")
+        broken = "".join(f"\n  {m} failed to import: {err}" for m, err in _BROKEN.items())
+        raise ValueError(f"there is no strategy {name!r}.{hint} Known strategies: "
+                         f"{', '.join(known)}" + (f"\nNot loaded:{broken}" if broken else ""))
     return _REGISTRY[name]
 
 

@@ -66,6 +66,23 @@ class Strategy:
         strategies): what parity tests and full checkpoints compare."""
         raise NotImplementedError
 
+    #: every rank holds the whole model and optimizer (a checkpoint needs rank 0's part only)
+    replicated = False
+
+    def checkpoint_state(self) -> dict:
+        """This rank's part of a checkpoint: ``{"params": {name: piece}, "optim": {name: {key:
+        piece or scalar}}, "hparams": [...]}``, names as in the single model (``dlab.checkpoint``
+        describes pieces). A strategy that does not implement it cannot checkpoint."""
+        raise NotImplementedError
+
+    def load_checkpoint_state(self, reader) -> None:
+        """Take this rank's part from a ``dlab.checkpoint.Reader`` written at any layout."""
+        raise NotImplementedError
+
+    @classmethod
+    def can_checkpoint(cls) -> bool:
+        return cls.checkpoint_state is not Strategy.checkpoint_state
+
     def comms(self) -> list[Comm]:
         """The counting wrappers whose traffic this strategy generates."""
         return [self.ctx.comm]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from dlab import checkpoint
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
@@ -22,6 +23,7 @@ from dlab.parallel.base import Strategy, data_parallel_problems
 class Single(Strategy):
     """One process, the whole model and the whole global batch: the ground truth."""
     world_sizes = (1,)
+    replicated = True
 
     def setup(self) -> None:
         self.model = self.build_model()
@@ -47,6 +49,12 @@ class Single(Strategy):
     def full_state_dict(self):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
+    def checkpoint_state(self):
+        return checkpoint.replica_state(self.model, self.optimizer)
+
+    def load_checkpoint_state(self, reader):
+        checkpoint.load_replica(self.model, self.optimizer, reader)
+
 
 @register("torch-ddp")
 class TorchDDP(Strategy):
@@ -59,6 +67,8 @@ class TorchDDP(Strategy):
     that does exactly what the built-in one does (divide by N, all-reduce) counts the bytes and
     records each bucket's all-reduce on the timeline.
     """
+
+    replicated = True
 
     @classmethod
     def problems(cls, config):
@@ -92,6 +102,12 @@ class TorchDDP(Strategy):
 
     def full_state_dict(self):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_state(self):
+        return checkpoint.replica_state(self.model, self.optimizer)
+
+    def load_checkpoint_state(self, reader):
+        checkpoint.load_replica(self.model, self.optimizer, reader)
 
 
 def _counting_allreduce_hook(strategy, bucket):

@@ -1,0 +1,114 @@
+"""Checkpoints: exact resume after a killed rank, atomicity under a killed writer, corruption
+refused by name, and reading a checkpoint at another layout."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+from helpers import TINY_GPT, final_state, losses
+
+import dlab
+from dlab import checkpoint
+
+RUN = {**TINY_GPT, "steps": 8, "save_final": True}
+
+
+def test_killed_rank_resumes_bitwise_identical(runs_dir):
+    """Train 8 steps uninterrupted, vs. kill rank 1 at step 5 and let torchrun restart every rank
+    from the step-4 checkpoint: the same losses and parameters, bit for bit (CPU, fp32)."""
+    clean = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, **RUN)
+    hurt = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, checkpoint_every=2, max_restarts=1,
+                       fault={"rank": 1, "step": 5, "kind": "kill"}, **RUN)
+    assert {m["attempt"] for m in hurt.metrics(0)} == {0, 1}, "the fault must have fired and restarted"
+    restart = [e for e in hurt.timeline(0) if e["kind"] == "restart"]
+    assert restart and restart[0]["from_step"] == 4
+    assert losses(hurt) == losses(clean)
+    a, b = final_state(hurt), final_state(clean)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert [p.name for p in checkpoint.complete(hurt.path / "checkpoints")] == ["step-00000006", "step-00000008"]
+
+
+def test_async_and_full_checkpoints_resume_the_same(runs_dir):
+    base = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, checkpoint_every=4,
+                       checkpoint_async=True, **RUN)
+    full = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, checkpoint_every=4,
+                       checkpoint_kind="full", **{**RUN, "steps": 4})
+    later = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, resume=str(full.path), **RUN)
+    assert [m["step"] for m in later.metrics(0)] == [4, 5, 6, 7]
+    assert losses(later) == losses(base)[4:]
+    assert "checkpoint_s" in base.metrics(0)[3]
+
+
+def test_reshard_four_ranks_to_two_and_to_single(runs_dir, reference):
+    four = dlab.launch("torch-ddp", 4, runs_dir=runs_dir, wait=True, checkpoint_every=4,
+                       **{**RUN, "steps": 4})
+    two = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, resume=str(four.path), **RUN)
+    one = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, resume=str(four.path), **RUN)
+    ref = reference(**RUN)
+    for run in (two, one):
+        got, want = losses(run), losses(ref)[4:]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+
+
+class _Replica:
+    replicated = True
+
+    def __init__(self, n: int):
+        self.weight = torch.arange(n, dtype=torch.float32)
+
+    def checkpoint_state(self):
+        return {"params": {"w": checkpoint.piece(self.weight)}, "optim": {}, "hparams": []}
+
+
+def _save_forever(root, n):
+    """Child process: keeps saving a big checkpoint, to be killed in the middle of one."""
+    saver = checkpoint.Checkpointer(root, 0, 1, keep=5)
+    for step in range(100, 200):
+        saver.save(_Replica(n), step)
+
+
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    checkpoint.Checkpointer(root, 0, 1).save(_Replica(10), 1)
+    child = multiprocessing.get_context("fork").Process(target=_save_forever, args=(root, 20_000_000))
+    child.start()
+    while not list(root.glob(".partial-*")):
+        time.sleep(0.001)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert list(root.glob(".partial-*")), "the kill should have caught a save midway"
+    newest = checkpoint.latest(root)
+    reader = checkpoint.Reader(newest)  # complete, verified, loadable
+    assert reader.step in (1, *range(100, 200))
+    assert newest.name.startswith("step-") and ".partial" not in str(newest)
+
+
+def test_a_corrupt_shard_is_refused_naming_the_file(tmp_path):
+    root = tmp_path / "checkpoints"
+    checkpoint.Checkpointer(root, 0, 1).save(_Replica(1000), 3)
+    shard = checkpoint.latest(root) / "rank0.pt"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=r"rank0\.pt: SHA-256 does not match"):
+        checkpoint.Reader(checkpoint.latest(root))
+
+
+def test_pieces_from_any_layout_assemble_the_same_tensor():
+    """Four ranks' uneven cuts of one flattened tensor (as ZeRO's padded shards cut it) merge
+    into the whole, and any range reads back."""
+    full = torch.randn(5, 7)
+    cuts = [0, 9, 20, 21, 35]
+    states = [{"params": {"w": checkpoint.piece(full.reshape(-1)[a:b], start=a, shape=full.shape)},
+               "optim": {}, "rank": r} for r, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    merged = checkpoint.merge(states)["params"]["w"]
+    assert torch.equal(merged["data"].view(5, 7), full)
+
+
+def test_bad_resume_path_is_refused_before_start(tmp_path):
+    with pytest.raises(dlab.ConfigError, match="neither a checkpoint nor a run"):
+        dlab.launch("torch-ddp", 2, resume=str(tmp_path), runs_dir=tmp_path / "runs", **TINY_GPT)
