@@ -40,8 +40,8 @@ def _env(args) -> int:
 def _strategies(args) -> int:
     from dlab import parallel
     for name in parallel.names():
-        doc = (parallel.get(name).__doc__ or "").strip().splitlines()
-        print(f"{name:16s} {doc[0] if doc else ''}")
+        doc = " ".join((parallel.get(name).__doc__ or "").split("\n\n")[0].split())
+        print(f"{name:21s} {doc}")
     return 0
 
 

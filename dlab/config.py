@@ -62,7 +62,7 @@ class RunConfig:
         return "cuda" if self.resolved_backend() == "nccl" else "cpu"
 
     # --- validation ----------------------------------------------------------------------
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         problems = self.problems()
         if problems:
             raise ConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
@@ -161,7 +161,7 @@ class RunConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RunConfig":
+    def from_dict(cls, d: dict) -> RunConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -171,7 +171,7 @@ class RunConfig:
         return cls(**d)
 
     @classmethod
-    def load(cls, path: Path) -> "RunConfig":
+    def load(cls, path: Path) -> RunConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
@@ -239,7 +239,8 @@ def from_args(args) -> RunConfig:
             r, s, kind = args.fault.split(":")
             fault = {"rank": int(r), "step": int(s), "kind": kind}
         except ValueError:
-            raise ConfigError(f"--fault takes RANK:STEP:KIND, e.g. 1:3:raise (got {args.fault!r})")
+            raise ConfigError(
+                f"--fault takes RANK:STEP:KIND, e.g. 1:3:raise (got {args.fault!r})") from None
     return RunConfig(
         strategy=args.strategy, world_size=args.world_size, steps=args.steps, model=args.model,
         model_options=_pairs(args.model_opt, "--model-opt"), batch_size=args.batch_size,

@@ -26,7 +26,7 @@ from dlab.metrics import measure_cpu_peak_flops
 from dlab.runs import JsonlTail, RunDir, read_json, write_json
 from dlab.summary import Summary
 
-_LIVE: "weakref.WeakSet[Run]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
 
 
 def free_port() -> int:
@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: bool = False,
            dashboard: bool = False, runs_dir: str | Path = "runs", timeout: float | None = None,
-           **config) -> "Run":
+           **config) -> Run:
     """Start ``strategy`` on ``world_size`` ranks; return a ``Run``.
 
     ``config`` takes any ``RunConfig`` field (steps, model, model_options, batch_size, lr,
@@ -75,7 +75,7 @@ def _worker_env(threads: int, restarts: bool) -> dict[str, str]:
 
 
 def start_torchrun(run_dir: RunDir, nproc: int, worker_args: list[str], threads: int = 1,
-                   max_restarts: int = 0) -> "Run":
+                   max_restarts: int = 0) -> Run:
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
@@ -92,7 +92,7 @@ def start_torchrun(run_dir: RunDir, nproc: int, worker_args: list[str], threads:
     return run
 
 
-def attach(path: str | Path) -> "Run":
+def attach(path: str | Path) -> Run:
     """Open a run something else started (torchrun on a cluster, an earlier kernel)."""
     if not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a dlab run directory (it has no config.json)")
@@ -156,6 +156,13 @@ class Run:
     def summary(self) -> Summary:
         return Summary.of(self)
 
+    def plot(self):
+        """The dashboard's final figure of this run: loss, throughput, memory, bytes moved and,
+        for a pipeline, the per-rank timeline (matplotlib, imported only when asked for)."""
+        from dlab.plots import plot
+
+        return plot(self)
+
     def failure(self) -> RunFailed | None:
         return find_failure(self.dir, self.proc.poll() if self.proc else None)
 
@@ -173,7 +180,7 @@ class Run:
                 raise TimeoutError(f"run {self.path} did not finish within {timeout} s; stopped it")
             time.sleep(poll)
 
-    def wait(self, timeout: float | None = None, progress: bool = False) -> "Run":
+    def wait(self, timeout: float | None = None, progress: bool = False) -> Run:
         """Block until the run ends; raise ``RunFailed`` naming the failing rank. An interrupt
         (KeyboardInterrupt, a notebook's stop button) stops the whole run before it returns."""
         bar = _Progress(self) if progress else None

@@ -79,10 +79,17 @@ class ActivationMeter:
         self.refs: dict[tuple, int] = {}
         self.current = self.peak = 0
 
-    def _pack(self, t: torch.Tensor):
-        key = _key(t)
-        if key in self.exclude or not t.numel():
+    def skip(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is not an activation; strategies that gather parameters on the fly
+        extend this so a gathered weight counts under "parameters"."""
+        return _key(t) in self.exclude or not t.numel()
+
+    def hold(self, t: torch.Tensor):
+        """Count ``t`` as held until the returned handle is dropped (the pack hook; pipeline
+        stages also call it for the activations they keep between forward and backward)."""
+        if self.skip(t):
             return t
+        key = _key(t)
         if key not in self.refs:
             self.refs[key] = 0
             self.current += t.untyped_storage().nbytes()
@@ -107,7 +114,7 @@ class ActivationMeter:
 
     @contextmanager
     def track(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self.hold, self._unpack):
             yield self
 
 
@@ -123,7 +130,7 @@ class Stopwatch:
         return time.perf_counter()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measure_cpu_peak_flops(threads: int = 1, n: int = 512, seconds: float = 0.3) -> float:
     """fp32 matmul FLOP/s of this CPU with ``threads`` threads: the MFU denominator on CPU.
     Measured once per process; the launcher passes its figure to the ranks, which would

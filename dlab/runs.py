@@ -68,7 +68,7 @@ class RunDir:
         self.path = Path(path)
 
     @classmethod
-    def create(cls, root: str | Path, label: str) -> "RunDir":
+    def create(cls, root: str | Path, label: str) -> RunDir:
         """A new, unique directory ``root/<time>-<label>``; two runs started in the same second,
         from one process or two, get different directories (mkdir is atomic)."""
         root = Path(root)

@@ -23,7 +23,7 @@ class Summary:
         self.name, self.state, self.rows = name, state, rows
 
     @classmethod
-    def of(cls, run) -> "Summary":
+    def of(cls, run) -> Summary:
         rows = []
         for rank in run.dir.ranks():
             ms = run.metrics(rank)

@@ -7,10 +7,10 @@ import threading
 import time
 
 import pytest
+from conftest import processes_of
 from helpers import TINY_GPT
 
 import dlab
-from conftest import processes_of
 
 LONG = {**TINY_GPT, "steps": 200}
 

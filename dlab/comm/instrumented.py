@@ -33,7 +33,7 @@ class OpStats:
     recv_bytes: float = 0.0
     seconds: float = 0.0
 
-    def add(self, other: "OpStats") -> None:
+    def add(self, other: OpStats) -> None:
         self.calls += other.calls
         self.payload_bytes += other.payload_bytes
         self.sent_bytes += other.sent_bytes

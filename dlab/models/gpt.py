@@ -154,103 +154,11 @@ class GPT(nn.Module):
 
     def reset_parameters(self) -> None:
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(".proj") else 0.02
-                nn.init.normal_(module.weight, std=std)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
-        if not self.cfg.tied:
-            nn.init.normal_(self.head.weight, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.tok(idx) + self.pos(positions)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_head
-        self.q = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.q(x), self.k(x), self.v(x)
-        # The head count is read off the local width, so the same code runs on a tensor-parallel
-        # shard that holds n_head / tp of the heads.
-        heads = q.shape[-1] // self.head_dim
-        q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class Head(nn.Module):
-    """Final layer norm and the projection to vocabulary logits. With a tied head the weight is
-    the embedding matrix, handed in, not a parameter of this module."""
-
-    def __init__(self, cfg: GPTConfig, tied_weight: nn.Parameter | None):
-        super().__init__()
-        self.ln = nn.LayerNorm(cfg.d_model)
-        self.tied_weight = tied_weight is not None
-        if tied_weight is None:
-            self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
-        else:
-            self._tied = [tied_weight]  # a list, so the module does not register it twice
-
-    def projection(self) -> torch.Tensor:
-        return self._tied[0] if self.tied_weight else self.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.ln(x), self.projection())
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.head = Head(cfg, self.embed.tok.weight if cfg.tied else None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, p in self.named_parameters():
-            if p.dim() == 1:  # biases and layer-norm shifts/scales
-                nn.init.ones_(p) if name.endswith("ln1.weight") or name.endswith(
-                    "ln2.weight") or name.endswith("ln.weight") else nn.init.zeros_(p)
+            if p.dim() == 1 and name.endswith(("ln1.weight", "ln2.weight", "ln.weight")):
+                nn.init.ones_(p)  # layer-norm scales start as the identity
+            elif p.dim() == 1:
+                nn.init.zeros_(p)  # biases and layer-norm shifts
             elif name.endswith("proj.weight"):
                 nn.init.normal_(p, std=residual_std)
             else:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dlab import checkpoint
