@@ -7,6 +7,7 @@
 from dlab.config import ConfigError, RunConfig
 from dlab.diagnose import RunFailed
 from dlab.launch import Run, attach, launch
+from dlab.plots import compare as compare  # re-export; matplotlib loads on first call
 from dlab.spawn import spawn
 
 __version__ = "0.1.0"
