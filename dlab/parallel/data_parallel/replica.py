@@ -1,0 +1,63 @@
+"""What every data-parallel strategy here shares: a whole model replica on each rank, and the
+rank's contiguous slice of the global batch (``dlab.data.shard``, DistributedSampler without
+shuffling).
+
+Learning rate and global batch: data parallelism over N ranks with a per-rank batch b trains
+on the global batch B = N b. dlab keeps B fixed when N changes (the same numbers as ``single``),
+so the learning rate needs no change. A job that instead keeps b fixed and adds ranks grows B,
+and then needs a larger learning rate to take the same progress per sample: the linear scaling
+rule lr ~ B for SGD, with a warm-up (Goyal et al. 2017, "Accurate, Large Minibatch SGD"), or
+roughly lr ~ sqrt(B) for Adam-type optimizers (Malladi et al. 2022), up to the critical batch
+size beyond which a larger batch no longer buys fewer steps (McCandlish et al. 2018).
+"""
+from __future__ import annotations
+
+import torch
+
+from dlab.data import shard
+from dlab.metrics import ActivationMeter
+from dlab.parallel.base import Strategy, data_parallel_problems
+
+
+def unknown_options(config, known: tuple[str, ...]) -> list[str]:
+    unknown = sorted(set(config.options) - set(known))
+    if unknown:
+        return [f"unknown option(s) {unknown} for strategy {config.strategy!r}; it takes "
+                f"{list(known) or 'none'}"]
+    return []
+
+
+class Replica(Strategy):
+    """Base of the data-parallel strategies: one replica per rank, the batch split by rank."""
+
+    OPTIONS: tuple[str, ...] = ()
+
+    @classmethod
+    def problems(cls, config):
+        return (super().problems(config) + unknown_options(config, cls.OPTIONS)
+                + data_parallel_problems(config, config.world_size))
+
+    def setup(self) -> None:
+        self.model = self.build_model()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = self.build_optimizer(self.params)
+        self.meter = ActivationMeter(self.params)
+
+    def my_shard(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t.to(self.ctx.device) for t in shard(batch, self.ctx.rank, self.ctx.world_size))
+
+    def forward_backward(self, x, y, scale: float = 1.0, **fields) -> torch.Tensor:
+        """Forward and backward of one (micro-)batch; the loss is multiplied by ``scale`` before
+        backward (1/k for k accumulated micro-batches). Returns the unscaled loss, detached."""
+        tl = self.ctx.timeline
+        with tl.span("forward", **fields), self.meter.track():
+            loss = self.model.criterion(self.model(x), y)
+        with tl.span("backward", **fields):
+            (loss * scale if scale != 1.0 else loss).backward()
+        return loss.detach()
+
+    def memory(self):
+        return self.replica_memory(self.model, self.optimizer)
+
+    def full_state_dict(self):
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
