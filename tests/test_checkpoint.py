@@ -29,7 +29,8 @@ def test_killed_rank_resumes_bitwise_identical(runs_dir):
     assert losses(hurt) == losses(clean)
     a, b = final_state(hurt), final_state(clean)
     assert all(torch.equal(a[k], b[k]) for k in b)
-    assert [p.name for p in checkpoint.complete(hurt.path / "checkpoints")] == ["step-00000006", "step-00000008"]
+    kept = [p.name for p in checkpoint.complete(hurt.path / "checkpoints")]
+    assert kept == ["step-00000006", "step-00000008"]
 
 
 def test_async_and_full_checkpoints_resume_the_same(runs_dir):
@@ -52,6 +53,26 @@ def test_reshard_four_ranks_to_two_and_to_single(runs_dir, reference):
     for run in (two, one):
         got, want = losses(run), losses(ref)[4:]
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+
+
+def test_zero3_shards_reshard_four_to_two_and_to_single(runs_dir, reference):
+    """ZeRO-3 cuts parameters at arbitrary flat offsets; its pieces load into 2 ranks of zero3
+    (other cuts), into single (whole tensors) and, back the other way, into zero2 shards."""
+    four = dlab.launch("zero3", 4, runs_dir=runs_dir, wait=True, checkpoint_every=4,
+                       **{**RUN, "steps": 4})
+    two = dlab.launch("zero3", 2, runs_dir=runs_dir, wait=True, resume=str(four.path), **RUN)
+    one = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, resume=str(four.path),
+                      checkpoint_every=6, **{**RUN, "steps": 6})
+    back = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, resume=str(one.path), **RUN)
+    ref = reference(**RUN)
+    want = final_state(ref)
+    for run, first, end in ((two, 4, 8), (one, 4, 6), (back, 6, 8)):
+        got = losses(run)
+        assert len(got) == end - first
+        assert max(abs(a - b) for a, b in zip(got, losses(ref)[first:end])) < 1e-5, run.path.name
+    for run in (two, back):
+        mine = final_state(run)
+        assert max((mine[k] - want[k]).abs().max().item() for k in want) < 1e-5, run.path.name
 
 
 class _Replica:

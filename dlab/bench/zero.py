@@ -1,0 +1,81 @@
+"""``python -m dlab bench zero``: memory per rank and bytes moved against the formulas, and step
+time against PyTorch's FSDP2, for DDP and the three ZeRO stages.
+
+For ``torch-ddp`` (fp32: PyTorch's DDP has no bf16 master-weight recipe of its own), ``zero1``,
+``zero2``, ``zero3`` and ``torch-fsdp2`` (both in mixed precision: bf16 compute, fp32 master
+weights and Adam state, so K = 12) at 2 and 4 ranks, one row each with:
+
+- ``model_state_MiB``: parameters + gradients + optimizer state measured on rank 0, beside
+  ``formula_MiB`` (``dlab.estimate.memory``: dlab's exact accounting, padding and step counters
+  included; for DDP the full fp32 replica) and ``paper_MiB`` (the ZeRO paper's 2/2/12 bytes per
+  parameter divided per stage; for FSDP2, whose shards stay fp32 and whose padding is per
+  tensor, the same 16 Psi / N total), and ``err_pct`` = measured / formula - 1;
+- ``sent_MB``: bytes rank 0 sent per step, beside ``sent_formula_MB`` (2 x (N-1)/N of the
+  parameters' bytes for DDP and stages 1-2, 3 x for stage 3); FSDP2's traffic bypasses dlab's
+  counters and is left blank;
+- ``step_s``: median step time after the first step.
+
+Then, per world size, ``zero3`` step time against ``torch-fsdp2`` as a ``compared`` row (target:
+ratio <= 1.25). ``--quick``: 2 ranks, DDP, zero2, zero3 and FSDP2, fewer steps.
+"""
+from __future__ import annotations
+
+import tempfile
+
+from dlab import models
+from dlab.bench import compared, median
+from dlab.estimate.memory import ddp_memory, model_units, paper_memory, zero_bytes_moved, zero_memory
+from dlab.launch import launch
+
+MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64}
+MiB = 2 ** 20
+STATE = ("parameters", "gradients", "optimizer")
+STAGE = {"torch-ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "torch-fsdp2": 3}
+
+
+def _formula(strategy: str, n: int) -> tuple[float, float, float | None]:
+    """(dlab formula bytes, paper bytes, bytes sent per step or None) for one rank."""
+    units = model_units("gpt", MODEL)
+    psi, stage = units.psi, STAGE[strategy]
+    if strategy == "torch-ddp":
+        numels = [p.numel() for p in models.build("gpt", MODEL, 0).parameters()]
+        exact = sum(ddp_memory(numels).values())
+        paper = sum(paper_memory(psi, n, 0, k=8, weight_bytes=4).values())
+        return exact, paper, zero_bytes_moved(units, n, 0)
+    paper = sum(paper_memory(psi, n, stage).values())
+    if strategy == "torch-fsdp2":
+        return paper, paper, None
+    mem = zero_memory(units, n, stage, mixed_precision=True)
+    return sum(mem[k] for k in STATE), paper, zero_bytes_moved(units, n, stage, True)
+
+
+def _measure(strategy: str, n: int, steps: int, root) -> dict:
+    options = {} if strategy == "torch-ddp" else {"mixed_precision": True}
+    run = launch(strategy, n, runs_dir=root, wait=True, steps=steps, batch_size=8,
+                 model_options=MODEL, options=options)
+    ms = run.metrics(0)
+    exact, paper, sent_formula = _formula(strategy, n)
+    measured = sum(ms[-1]["memory"].get(k, 0) for k in STATE) + ms[-1]["memory"].get("offloaded", 0)
+    return {"name": "zero", "strategy": strategy, "ranks": n,
+            "precision": "fp32" if strategy == "torch-ddp" else "bf16+fp32 master",
+            "model_state_MiB": measured / MiB, "formula_MiB": exact / MiB, "paper_MiB": paper / MiB,
+            "err_pct": 100 * (measured / exact - 1),
+            "sent_MB": ms[-1]["comm"]["sent_bytes"] / 1e6 if sent_formula is not None else "",
+            "sent_formula_MB": sent_formula / 1e6 if sent_formula is not None else "",
+            "step_s": median([m["step_time"] for m in ms[1:]])}
+
+
+def run(quick: bool = False) -> list[dict]:
+    sizes = (2,) if quick else (2, 4)
+    strategies = (("torch-ddp", "zero2", "zero3", "torch-fsdp2") if quick
+                  else ("torch-ddp", "zero1", "zero2", "zero3", "torch-fsdp2"))
+    steps = 4 if quick else 8
+    rows, timed = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            for strategy in strategies:
+                rows.append(_measure(strategy, n, steps, tmp))
+            by = {r["strategy"]: r for r in rows if r["ranks"] == n}
+            timed.append(compared(by["zero3"]["step_s"], by["torch-fsdp2"]["step_s"], name="zero3 vs fsdp2",
+                                  ranks=n, metric="step_s", target="<= 1.25"))
+    return rows + timed
