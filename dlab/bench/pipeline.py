@@ -1,0 +1,195 @@
+"""``python -m dlab bench pipeline``: every schedule at 2 and 4 stages and 1..16 micro-batches.
+
+Per configuration: the bubble measured from the timeline (steps after the first) beside the
+closed form (``dlab.estimate.pipeline.bubble``, unit times) and beside the simulation of the
+same action lists with the op times measured in that run; every rank's activation peak, and
+the busiest rank's beside its in-flight count times one micro-batch's activations (measured by
+the naive pipeline, m = 1, on the same stages; for the zero-bubble schedules the excess is what
+pending weight gradients keep: the weight matmuls' inputs and output gradients); the median
+step time. Where PyTorch has the same schedule (``torch.distributed.pipelining``: GPipe, 1F1B,
+Interleaved1F1B, ZBVZeroBubble) the row also carries ``dlab`` / ``peer`` / ``ratio`` of step
+times on the same model and split. ZB-H1 is not compared: PyTorch's zero-bubble schedules
+are the interleaved and the V ones.
+
+The model: 8 blocks of d_model 256 over 128 tokens, one sequence per micro-batch (so the
+global batch is m sequences per replica). A stage's forward is then ~10 ms per micro-batch on
+one core, while a 128 KiB activation crosses loopback Gloo in ~0.2 ms: compute dwarfs p2p and
+stage times are balanced (blocks dealt by parameter count; the embedding and head are small
+at vocabulary 256), the condition under which the bubble formulas hold. On a machine with
+fewer cores than ranks the ranks share cores, which stretches busy ranks and blurs the
+bubble: measure with at least as many cores as ranks.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+
+from dlab.bench import compared
+
+MODEL = {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 128}
+STEPS = 4
+PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+         "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
+SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
+
+
+def configs(quick: bool) -> list[tuple[str, int, int]]:
+    if quick:
+        return [("naive", 2, 1), ("1f1b", 2, 4), ("gpipe", 2, 4), ("zbv", 2, 4)]
+    out = []
+    for p in (2, 4):
+        for name in SCHEDULES:
+            for m in (1, 2, 4, 8, 16):
+                if name == "naive" and m != 1:
+                    continue
+                if name == "interleaved" and m % p:
+                    continue
+                out.append((name, p, m))
+    return out
+
+
+def _v(name: str) -> int:
+    return 2 if name in ("interleaved", "zbv") else 1
+
+
+def measure(name: str, p: int, m: int, runs_dir: str) -> dict:
+    """One dlab run: bubble, the timeline (steps after the first), activation peaks per rank,
+    median step time."""
+    import dlab
+    from dlab.parallel.pipeline.simulate import bubble
+
+    run = dlab.launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=STEPS,
+                      batch_size=m, model="gpt", model_options=MODEL,
+                      options={"microbatches": m} if name != "naive" else {})
+    events = [e for e in run.timeline() if "stage" in e and e["step"] > 0]
+    metrics = [run.metrics(r) for r in range(p)]
+    return {
+        "bubble": bubble(events, ranks=p),
+        "events": events,
+        "activations": [max(x["memory"]["activations"] for x in ms) for ms in metrics],
+        "step_s": statistics.median(x["step_time"] for x in metrics[0][1:]),
+    }
+
+
+def run(quick: bool = False) -> list[dict]:
+    from dlab import spawn
+    from dlab.estimate import pipeline as est
+    from dlab.parallel.pipeline import schedules
+    from dlab.parallel.pipeline.simulate import bubble, replay
+
+    rows, unit = [], {}
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for name, p, m in configs(quick):
+            v = _v(name)
+            got = measure(name, p, m, runs_dir)
+            if name == "naive":
+                unit[p] = got["activations"]
+            simulated = bubble(replay(schedules.build(name, p, m, v), got["events"]))
+            formula = est.bubble(name, p, m, v)
+            peak_rank = max(range(p), key=lambda r: got["activations"][r])
+            row = {"schedule": name, "p": p, "m": m, "v": v,
+                   "bubble": round(got["bubble"], 3),
+                   "formula": round(formula, 3) if formula is not None else "",
+                   "simulated": round(simulated, 3),
+                   "act_MiB": round(got["activations"][peak_rank] / 2 ** 20, 2),
+                   "act_by_rank_MiB": "/".join(f"{a / 2 ** 20:.1f}" for a in got["activations"])}
+            if p in unit:
+                predicted = est.in_flight(name, p, m, peak_rank, v) * unit[p][peak_rank]
+                row["act_formula_MiB"] = round(predicted / 2 ** 20, 2)
+            row["step_s"] = round(got["step_s"], 4)
+            if name in PEERS and (not quick or name == "1f1b"):
+                peer = statistics.median(spawn(torch_step_times, p, name, p, m, MODEL, STEPS,
+                                               runs_dir=runs_dir)[0][1:])
+                row = compared(got["step_s"], peer, **row, metric="step_s")
+            rows.append(row)
+    return rows
+
+
+def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int) -> list[float]:
+    """On each rank: PyTorch's schedule on the same GPT and the same stage split, one Adam step
+    per iteration (and the tied matrix's gradient summed between its two holders, as dlab
+    does); returns the step times."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+
+    from dlab import models
+    from dlab.config import RunConfig
+    from dlab.data import make_data
+    from dlab.parallel.pipeline.split import StageModule, param_costs, partition
+
+    rank = dist.get_rank()
+    v = _v(name)
+    n = p * v
+    model = models.build("gpt", model_options, 0)
+    blocks, first, last = param_costs(model)
+    ranges = partition(blocks, n, first, last)
+    if name == "zbv":
+        mine = [rank, 2 * p - 1 - rank]
+    else:
+        mine = [rank + k * p for k in range(v)]
+    mods = {s: StageModule(model, ranges[s], s == 0, s == n - 1) for s in mine}
+    stages = [pipelining.PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
+    params = list({id(t): t for mod in mods.values()
+                   for t in mod.named_full_parameters().values()}.values())
+    optimizer = torch.optim.Adam(params, lr=1e-4)
+    cls = getattr(pipelining, PEERS[name])
+    sched = cls(stages[0] if v == 1 else stages, n_microbatches=m, loss_fn=models.GPT.criterion)
+    data = make_data(RunConfig(strategy="single", batch_size=m, model_options=model_options))
+    holds_first, holds_last = 0 in mine, n - 1 in mine
+    tied = model.embed.tok.weight
+    tied_group = dist.new_group([0, p - 1]) if name != "zbv" else None
+    out = []
+    for step in range(steps):
+        x, y = data.global_batch(step)
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        kwargs = {"target": y, "losses": []} if holds_last else {}
+        if holds_first:
+            sched.step(x, **kwargs)
+        else:
+            sched.step(**kwargs)
+        if tied_group is not None and (holds_first or holds_last):
+            if tied.grad is None:
+                tied.grad = torch.zeros_like(tied)
+            dist.all_reduce(tied.grad, group=tied_group)
+        optimizer.step()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def save_gantt(path: str = "docs/pipeline_gantt.png", name: str = "1f1b", p: int = 2,
+               m: int = 8) -> float:
+    """A measured Gantt chart of one step on the bench model, with the simulation of the same
+    action list at the measured op times drawn pale under each rank's row (red: time blocked
+    in a recv); returns the measured bubble.
+    ``python -c "from dlab.bench.pipeline import save_gantt; save_gantt()"``"""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import dlab
+    from dlab.parallel.pipeline import schedules
+    from dlab.parallel.pipeline.simulate import bubble, gantt, replay
+
+    with tempfile.TemporaryDirectory() as runs_dir:
+        run = dlab.launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=3,
+                          batch_size=m, model="gpt", model_options=MODEL,
+                          options={"microbatches": m})
+        events = [e for e in run.timeline() if "stage" in e and e["step"] == 2]
+    sim = replay(schedules.build(name, p, m, _v(name)), events)
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.9 * p))
+    measured = bubble(events)
+    gantt(events, ax=ax, comm=True, y_offset=-0.12, height=0.6,
+          title=f"{name}, p={p}, m={m}, measured on CPU/Gloo: bubble {measured:.3f} "
+                f"(simulated at the measured op times: {bubble(sim):.3f}, pale bars)")
+    gantt(sim, ax=ax, y_offset=0.3, height=0.22, alpha=0.4, labels=False)
+    ax.set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return measured
