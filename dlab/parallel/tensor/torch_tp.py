@@ -1,0 +1,143 @@
+"""``torch-tp``: PyTorch's own tensor parallelism on the same GPT, the peer ``tp`` is measured
+against.
+
+``torch.distributed.tensor.parallel.parallelize_module`` rewrites each linear's weight into a
+DTensor sharded over the mesh's "tp" dimension: ``ColwiseParallel`` for q, k, v and fc,
+``RowwiseParallel`` for the two proj layers, and with ``sequence_parallel`` the layer norms
+become ``SequenceParallel`` with ``PrepareModuleInput`` doing the all-gather before attention
+and the MLP, and the row-parallel outputs reduce-scattered (``output_layouts=Shard(1)``).
+
+The plan parallelises the transformer blocks only: the embedding and the (tied) head stay
+replicated on every tensor-parallel rank, so this peer does more work and keeps full logits
+where ``tp`` splits the vocabulary. DTensor's collectives bypass dlab's counting ``Comm``, so
+only the data-parallel all-reduce is counted here; the bench compares step time and memory.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dlab.data import shard
+from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.parallel import register
+from dlab.parallel.base import Strategy
+from dlab.parallel.mesh import Mesh
+from dlab.parallel.tensor.strategy import all_reduce_grads, tensor_parallel_problems, tp_options
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Holder:
+    __slots__ = ("inner", "tensor")
+
+    def __init__(self, inner, tensor):
+        self.inner, self.tensor = inner, tensor
+
+
+class LocalShardMeter(ActivationMeter):
+    """``ActivationMeter`` for a model of DTensors: autograd saves DTensors, and what this rank
+    holds of one is its local shard, so that is what is counted."""
+
+    def hold(self, t):
+        if isinstance(t, DTensor):
+            with torch.no_grad():
+                return _Holder(super().hold(t.to_local()), t)
+        return super().hold(t)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Holder) else ActivationMeter._unpack(saved)
+
+
+def block_plan(sequence_parallel: bool) -> dict:
+    if not sequence_parallel:
+        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                use_local_output=True)
+    return {"ln1": SequenceParallel(use_local_output=True), "attn": gather,
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(use_local_output=True), "mlp": gather,
+            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
+
+
+@register("torch-tp")
+class TorchTensorParallel(Strategy):
+    """PyTorch's ``parallelize_module`` (Colwise / Rowwise / SequenceParallel) on the GPT's
+    blocks; options as ``tp``: ``tp`` and ``sequence_parallel``. TP x DP through a mesh."""
+
+    @classmethod
+    def problems(cls, config):
+        return super().problems(config) + tensor_parallel_problems(config)
+
+    def setup(self) -> None:
+        self.tp, self.sp = tp_options(self.ctx.config)
+        self.dp = self.ctx.world_size // self.tp
+        self.mesh = Mesh({"dp": self.dp, "tp": self.tp}, device_type=self.ctx.device.type)
+        tp_mesh = self.mesh.device_mesh["tp"]
+        self.model = self.build_model()
+        for block in self.model.blocks:
+            parallelize_module(block, tp_mesh, block_plan(self.sp))
+        if self.sp:
+            # The residual stream between blocks is sequence-sharded: cut it (no communication)
+            # before the first block, gather it before the replicated head.
+            parallelize_module(self.model.blocks[0], tp_mesh, PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                use_local_output=True))
+            parallelize_module(self.model.head, tp_mesh, PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_output=True))
+        self.params = list(self.model.parameters())
+        self.optimizer = self.build_optimizer(self.params)
+        self.meter = LocalShardMeter([_local(p) for p in self.params])
+
+    def step(self, batch):
+        x, y = (t.to(self.ctx.device) for t in shard(batch, self.mesh.rank("dp"), self.dp))
+        tl = self.ctx.timeline
+        self.optimizer.zero_grad()
+        self.meter.reset_peak()
+        with tl.span("forward"), self.meter.track():
+            loss = self.model.criterion(self.model(x), y)
+        with tl.span("backward"):
+            loss.backward()
+        if self.dp > 1:
+            with tl.span("all_reduce"):
+                locals_ = [_LocalGrad(p) for p in self.params]
+                all_reduce_grads(locals_, self.mesh.comm("dp"), average=True)
+        with tl.span("optimizer"):
+            self.optimizer.step()
+        return self.mean_loss(loss, self.mesh.group("dp"))
+
+    def memory(self):
+        mem = {"parameters": storage_bytes(_local(p) for p in self.params),
+               "gradients": storage_bytes(_local(p.grad) for p in self.params
+                                          if p.grad is not None),
+               "optimizer": storage_bytes(_local(v) for v in optimizer_tensors(self.optimizer))}
+        mem["activations"] = self.meter.peak
+        mem["comm_buffers"] = 0
+        return mem
+
+    def comms(self):
+        return [self.mesh.comm("dp")]
+
+    def full_state_dict(self):
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                for k, v in self.model.state_dict().items()}
+
+
+class _LocalGrad:
+    """A parameter seen through its local shard, for ``all_reduce_grads``."""
+
+    def __init__(self, p: torch.Tensor):
+        self.grad = _local(p.grad)
