@@ -25,7 +25,7 @@ lab: install
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
-		OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax --durations=0 -q notebooks; \
+		OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax -q notebooks; \
 	fi
 
 test-fast: install

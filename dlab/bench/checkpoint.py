@@ -1,0 +1,105 @@
+"""``python -m dlab bench checkpoint``: what checkpoints cost, and what a fault costs.
+
+1. Save and load, for full (one gathered file), sharded (a file per rank) and async (sharded,
+   written by a thread while training goes on) at 2 and 4 ranks: the time a training step is
+   blocked by the save (median over saves), the size on disk, and the time to read, verify
+   (SHA-256) and load it into a model. The peer is ``torch.save`` of the same model and
+   optimizer state dicts to one file, the usual baseline; dlab's full save adds the fsync, the
+   checksum and the rename that make it atomic.
+2. A fault: rank 1 is killed at step ``f``; torchrun restarts every rank from the newest
+   checkpoint. The time lost (wall time minus that of a clean run) is set beside the formula
+   ``redone steps * step time + restart cost``, where redone = f - (last checkpoint before f)
+   and restart cost is a clean run's start-up (launch to first step), plus the time the
+   hurt run's saves blocked training (the clean run saves nothing). Averaged over where a
+   fault lands, redone is interval / 2, which gives the planning formula
+   ``E[lost] = interval / 2 * step time + restart cost`` (Young 1974; Daly 2006).
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dlab import checkpoint, models
+from dlab.bench import compared, median
+from dlab.launch import launch
+
+MODEL = {"n_layer": 4, "d_model": 192, "n_head": 4, "seq_len": 64}
+
+
+def _state_bytes(path: Path) -> int:
+    manifest = json.loads((path / "manifest.json").read_text())
+    return sum(f["bytes"] for f in manifest["files"].values())
+
+
+def _load_seconds(path: Path) -> float:
+    model = models.build("gpt", MODEL, seed=0)
+    opt = torch.optim.Adam(model.parameters())
+    start = time.perf_counter()
+    checkpoint.load_replica(model, opt, checkpoint.Reader(path))
+    return time.perf_counter() - start
+
+
+def _torch_save_seconds(root: Path) -> tuple[float, int]:
+    model = models.build("gpt", MODEL, seed=0)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    opt.step()
+    path = root / "torch_save.pt"
+    start = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+    return time.perf_counter() - start, path.stat().st_size
+
+
+def _save_rows(root: Path, ranks: int, steps: int) -> list[dict]:
+    peer_s, peer_bytes = _torch_save_seconds(root)
+    rows = []
+    for label, kind, asynchronous in (("full", "full", False), ("sharded", "sharded", False),
+                                      ("async", "sharded", True)):
+        run = launch("torch-ddp", ranks, runs_dir=root, wait=True, steps=steps, checkpoint_every=2,
+                     checkpoint_kind=kind, checkpoint_async=asynchronous, model_options=MODEL,
+                     batch_size=8, keep_checkpoints=1)
+        blocked = median([m["checkpoint_s"] for m in run.metrics(0) if "checkpoint_s" in m])
+        newest = checkpoint.latest(run.path / "checkpoints")
+        what = {"name": "checkpoint", "kind": label, "ranks": ranks}
+        rows.append(compared(blocked, peer_s, **what, metric="save_blocked_s"))
+        rows.append(compared(_state_bytes(newest), peer_bytes, **what, metric="bytes"))
+        rows.append({**what, "metric": "load_s", "dlab": _load_seconds(newest)})
+    return rows
+
+
+def _fault_rows(root: Path, steps: int, fault_step: int, intervals: list[int]) -> list[dict]:
+    common = {"steps": steps, "model_options": MODEL, "batch_size": 8}
+    start = time.perf_counter()
+    clean = launch("torch-ddp", 2, runs_dir=root, **common)
+    first = None
+    for _record in clean.stream():
+        first = first or time.perf_counter() - start
+    clean.wait()
+    clean_s = time.perf_counter() - start
+    step_s = median([m["step_time"] for m in clean.metrics(0)[1:]])
+    rows = []
+    for k in intervals:
+        start = time.perf_counter()
+        hurt = launch("torch-ddp", 2, runs_dir=root, wait=True, checkpoint_every=k, max_restarts=1,
+                      fault={"rank": 1, "step": fault_step, "kind": "kill"}, **common)
+        lost = time.perf_counter() - start - clean_s
+        saves = sum(m.get("checkpoint_s", 0.0) for m in hurt.metrics(0))  # the clean run saves none
+        redone = fault_step - (fault_step // k) * k
+        rows.append({"name": "fault", "interval": k, "fault_step": fault_step, "redone_steps": redone,
+                     "lost_s": lost, "formula_s": redone * step_s + first + saves, "saves_s": saves,
+                     "expected_lost_s": k / 2 * step_s + first})
+    return rows
+
+
+def run(quick: bool = False) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        rows = []
+        for ranks in ((2,) if quick else (2, 4)):
+            rows += _save_rows(root, ranks, steps=4 if quick else 8)
+        rows += _fault_rows(root, steps=12, fault_step=7, intervals=[4] if quick else [2, 4, 8])
+    return rows

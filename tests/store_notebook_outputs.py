@@ -1,0 +1,64 @@
+"""Execute notebooks and store the outputs nbval checks, and no others.
+
+nbval (``--nbval-lax``, as ``make test`` runs it) compares a cell's fresh output with the stored
+one only in cells marked ``# NBVAL_CHECK_OUTPUT``, and a checked cell with nothing stored fails.
+So the stored notebooks keep exactly those outputs: the stable, teaching ones (a formula's
+value, a parity verdict), while every other cell is saved empty, which keeps diffs readable and
+timings or plots of one machine out of the repository. Run this after editing a notebook:
+
+    .venv/bin/python tests/store_notebook_outputs.py notebooks/04_zero_fsdp.ipynb   # or no args: all
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+CHECK = "NBVAL_CHECK_OUTPUT"
+
+
+def store(path: Path, timeout: int = 900) -> int:
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nbformat.write(nb, path)
+    return strip(path)
+
+
+def strip(path: Path) -> int:
+    """Keep only checked cells' outputs. nbval refuses a cell with outputs but no execution
+    count ("unrun reference cell"), so a kept cell is numbered by its place among code cells,
+    which is what a run from the top gives it."""
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    kept = 0
+    for number, cell in enumerate(code, start=1):
+        cell.metadata.pop("execution", None)
+        if CHECK in cell.source:
+            kept += 1
+            cell.execution_count = number
+            for out in cell.outputs:
+                if "execution_count" in out:
+                    out["execution_count"] = number
+        else:
+            cell.execution_count, cell.outputs = None, []
+    nbformat.write(nb, path)
+    return kept
+
+
+def main(argv: list[str]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    only_strip = "--strip" in argv  # renumber and drop unchecked outputs, without running
+    paths = [Path(a).resolve() for a in argv if a != "--strip"] or sorted(NOTEBOOKS.glob("*.ipynb"))
+    for path in paths:
+        kept = strip(path) if only_strip else store(path)
+        print(f"{path.name}: stored {kept} checked outputs", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
