@@ -40,12 +40,16 @@ def _torchrun(n: int, root: Path) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "dlab.worker", "--run-dir", str(run_dir), "torch-ddp", "--steps", str(WORK["steps"]),
            "--batch-size", str(WORK["batch_size"]), *opts]
+    log = root / f"{run_dir.name}.log"
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    first = _first_line(run_dir / "metrics" / "rank0.jsonl", lambda: proc.poll() is None, start)
-    if proc.wait() != 0:
-        raise RuntimeError(f"plain torchrun failed: {' '.join(cmd)}")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        first = _first_line(run_dir / "metrics" / "rank0.jsonl", lambda: proc.poll() is None, start)
+        code = proc.wait()
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise RuntimeError(f"plain torchrun failed ({code}): {' '.join(cmd)}\n{tail}")
     return first, time.perf_counter() - start
 
 

@@ -48,6 +48,10 @@ def configs(quick: bool) -> list[tuple[str, int, int]]:
     return out
 
 
+def _has_peer(name: str, p: int, m: int) -> bool:
+    return name in PEERS and not (name == "1f1b" and m < p)
+
+
 def _v(name: str) -> int:
     return 2 if name in ("interleaved", "zbv") else 1
 
@@ -97,7 +101,7 @@ def run(quick: bool = False) -> list[dict]:
                 predicted = est.in_flight(name, p, m, peak_rank, v) * unit[p][peak_rank]
                 row["act_formula_MiB"] = round(predicted / 2 ** 20, 2)
             row["step_s"] = round(got["step_s"], 4)
-            if name in PEERS and (not quick or name == "1f1b"):
+            if _has_peer(name, p, m) and (not quick or name == "1f1b"):
                 peer = statistics.median(spawn(torch_step_times, p, name, p, m, MODEL, STEPS,
                                                runs_dir=runs_dir)[0][1:])
                 row = compared(got["step_s"], peer, **row, metric="step_s")
