@@ -10,6 +10,9 @@ Every piece a later strategy cuts is its own module with a plain layout:
   (Megatron-LM, Shoeybi et al. 2019).
 - ``MLP`` is ``fc`` (d -> d_ff) then ``proj`` (d_ff -> d): column- then row-parallel.
 - ``Block`` is the unit FSDP / ZeRO-3 gathers and a pipeline stage holds a run of.
+- ``Attention.core`` is the attention proper (q, k, v -> y), a swappable function: context
+  parallelism replaces it with ring attention; ``GPT.forward`` takes the tokens' ``positions``,
+  so a rank holding a slice of the sequence embeds its tokens where they are.
 
 Initialisation follows GPT-2: N(0, 0.02), residual projections scaled by 1/sqrt(2 L), so the
 residual stream's variance does not grow with depth. Dropout is absent on purpose: parity tests
@@ -73,9 +76,15 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.tok(idx) + self.pos(positions)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v over (batch, heads, tokens, head_dim)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -86,6 +95,7 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.d_model, cfg.d_model)
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.core = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -94,7 +104,7 @@ class Attention(nn.Module):
         # shard that holds n_head / tp of the heads.
         heads = q.shape[-1] // self.head_dim
         q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
@@ -164,8 +174,8 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(idx, positions)
         for block in self.blocks:
             x = block(x)
         return self.head(x)

@@ -1,0 +1,61 @@
+"""``python -m dlab bench context``: context parallelism on a long sequence.
+
+For ring and all-gather attention, zigzag and contiguous layouts, at 2 and 4 ranks: the peak
+activation bytes a rank saves for backward, the bytes it sends per step beside
+``dlab.estimate.context``, and the median step time. The peer is ``single``, one process with
+the whole sequence: the ratio of activations is what context parallelism is for (ring: about
+1/n of it; all-gather: more, since every rank keeps the whole sequence's K and V). PyTorch's
+own ``context_parallel`` is not the peer: on CPU it has no causal ring (see TORCH_ON_CPU).
+The ``work_ratio`` column is the busiest rank's causal (query, key) pairs over the average
+rank's (``layout.visible_pairs``): 1 for zigzag, (2n-1)/n for contiguous.
+"""
+from __future__ import annotations
+
+import tempfile
+
+from dlab.bench import compared, median
+from dlab.estimate import context as est
+from dlab.models import model_config
+from dlab.parallel.context import layout
+
+MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 1024}
+QUICK_MODEL = {**MODEL, "seq_len": 256}
+BATCH = 2
+
+
+def _peak_activations(run, ranks: int) -> int:
+    return max(max(m["memory"]["activations"] for m in run.metrics(r)) for r in range(ranks))
+
+
+def _step_s(run) -> float:
+    return median([m["step_time"] for m in run.metrics(0)[1:]])
+
+
+def run(quick: bool = False) -> list[dict]:
+    import dlab
+
+    model = QUICK_MODEL if quick else MODEL
+    common = {"model": "gpt", "model_options": model, "batch_size": BATCH, "steps": 3 if quick else 5}
+    cfg = model_config("gpt", model)
+    configs = [("ring", "zigzag", 2), ("allgather", "zigzag", 2)] if quick else [
+        (a, lay, n) for n in (2, 4) for a, lay in
+        (("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"))]
+    rows = []
+    with tempfile.TemporaryDirectory() as runs_dir:
+        single = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, **common)
+        base_act, base_s = _peak_activations(single, 1), _step_s(single)
+        for attention, lay, n in configs:
+            run = dlab.launch("cp", n, runs_dir=runs_dir, wait=True,
+                              options={"attention": attention, "layout": lay}, **common)
+            work = [layout.visible_pairs(lay, cfg.seq_len, r, n) for r in range(n)]
+            kv = est.kv_bytes(BATCH, cfg.seq_len, cfg.d_model, n)
+            what = {"strategy": "cp", "attention": attention, "layout": lay, "ranks": n,
+                    "seq_len": cfg.seq_len,
+                    "sent_MB": median([m["comm"]["sent_bytes"] for m in run.metrics(0)]) / 1e6,
+                    "sent_formula_MB": est.sent_per_step(attention, n, cfg.n_layer, kv,
+                                                         4 * cfg.n_params()) / 1e6,
+                    "work_ratio": round(max(work) / (sum(work) / n), 3)}
+            rows.append(compared(_peak_activations(run, n), base_act, **what,
+                                 metric="activation_bytes"))
+            rows.append(compared(_step_s(run), base_s, **what, metric="step_s"))
+    return rows

@@ -1,0 +1,22 @@
+"""Context parallelism: bytes each rank sends per step, and the causal work per rank.
+
+With n ranks, a batch of b sequences of T tokens, width d and L layers, one rank's K and V of
+one layer are kv = 2 b (T/n) d * 4 bytes (fp32). Per layer and step a rank sends:
+
+    allgather   (n-1) kv  (all-gather, forward)  + (n-1) kv  (reduce-scatter of dK, dV)
+    ring        (n-1) kv  (blocks, forward)      + (n-1) kv  (blocks again, backward)
+                                                 +   n   kv  (dK, dV accumulators, n hops home)
+
+and, as in data parallelism, 2 (n-1)/n P for the gradients of P parameter bytes. The ring
+sends 1.5x the all-gather's K/V bytes (asymptotically) but keeps one rank's memory at T/n.
+"""
+from __future__ import annotations
+
+
+def kv_bytes(batch: int, seq_len: int, d_model: int, n: int, bytes_per: int = 4) -> int:
+    return 2 * batch * (seq_len // n) * d_model * bytes_per
+
+
+def sent_per_step(attention: str, n: int, n_layer: int, kv: int, param_bytes: int) -> float:
+    per_layer = {"allgather": 2 * (n - 1) * kv, "ring": (3 * n - 2) * kv if n > 1 else 0}[attention]
+    return n_layer * per_layer + 2 * (n - 1) / n * param_bytes

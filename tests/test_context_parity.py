@@ -1,0 +1,41 @@
+"""The ``cp`` strategy trains exactly like ``single`` (ring and all-gather attention, zigzag and
+contiguous layouts, 2 and 4 ranks), sends per step what ``dlab.estimate.context`` says, and
+refuses a configuration it cannot split before any process starts."""
+from __future__ import annotations
+
+import pytest
+from helpers import TINY_GPT, assert_same_training, losses
+
+import dlab
+from dlab.config import ConfigError
+from dlab.estimate import context as est
+from dlab.models import model_config
+
+CP_GPT = {**TINY_GPT, "model_options": {**TINY_GPT["model_options"], "seq_len": 32}}
+PARAM_BYTES = 4 * model_config("gpt", CP_GPT["model_options"]).n_params()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("attention,lay", [("ring", "zigzag"), ("ring", "contiguous"),
+                                           ("allgather", "zigzag")])
+def test_cp_trains_like_single_and_sends_the_formula_bytes(attention, lay, world_size, runs_dir,
+                                                           reference):
+    run = dlab.launch("cp", world_size, runs_dir=runs_dir, wait=True, save_final=True,
+                      options={"attention": attention, "layout": lay}, **CP_GPT)
+    assert_same_training(run, reference(**CP_GPT))
+    opts = CP_GPT["model_options"]
+    kv = est.kv_bytes(CP_GPT["batch_size"], opts["seq_len"], opts["d_model"], world_size)
+    want = est.sent_per_step(attention, world_size, opts["n_layer"], kv, PARAM_BYTES)
+    for rank in range(world_size):
+        assert losses(run, rank) == losses(run, 0)
+        assert all(m["comm"]["sent_bytes"] == want for m in run.metrics(rank))
+
+
+def test_cp_refuses_what_cannot_be_split(runs_dir):
+    with pytest.raises(ConfigError, match="seq_len=30 does not cut into 8 equal chunks"):
+        dlab.launch("cp", 4, runs_dir=runs_dir,
+                    model_options={**TINY_GPT["model_options"], "seq_len": 30})
+    with pytest.raises(ConfigError, match="option attention='flash' is not one of"):
+        dlab.launch("cp", 2, runs_dir=runs_dir, options={"attention": "flash"})
+    with pytest.raises(ConfigError, match="use model='gpt'"):
+        dlab.launch("cp", 2, runs_dir=runs_dir, model="mlp")
