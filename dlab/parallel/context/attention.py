@@ -19,7 +19,9 @@ A rank never holds more than two K/V blocks, and the next block's transfer overl
 block's compute. The backward pass (a hand-written autograd Function) recomputes each block's
 probabilities from the saved log-sum-exp and sends the K/V gradient accumulators around the
 ring with the blocks, so they arrive home after n hops. Blocks that the causal mask hides
-entirely are skipped (no FLOPs): that is why the layout matters (``layout``).
+entirely are skipped (no FLOPs): that is why the layout matters (``layout``). A partly hidden
+block is computed whole and masked; production kernels split a zigzag block into its chunk
+pairs and skip the hidden quarter, which this version leaves out for readability.
 
 Bytes per layer and step, kv = bytes of one rank's K and V: all-gather (n-1) kv forward and a
 reduce-scatter of (n-1) kv backward; ring (n-1) kv forward, then (n-1) kv of blocks and n kv
