@@ -68,7 +68,7 @@ class TeacherData:
 
 
 def make_data(config) -> TokenData | TeacherData:
-    if config.model == "gpt":
+    if config.model in ("gpt", "moe"):
         return TokenData(config.batch_size, config.model_config().seq_len, config.seed)
     mc = config.model_config()
     return TeacherData(config.batch_size, mc.d_in, mc.d_out, config.seed)

@@ -17,6 +17,7 @@ they actually send instead. Async operations are timed from launch to ``wait()``
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -132,9 +133,9 @@ class Comm:
     def all_to_all_single(self, out: torch.Tensor, t: torch.Tensor, out_splits=None,
                           in_splits=None, async_op: bool = False):
         n, s = self.size, nbytes(t)
-        row = t[0].numel() * t.element_size() if t.dim() else t.element_size()
+        row = math.prod(t.shape[1:]) * t.element_size()  # bytes per row, even with 0 rows
         own_in = (in_splits[self.rank] * row) if in_splits else s / n
-        out_row = out[0].numel() * out.element_size() if out.dim() else out.element_size()
+        out_row = math.prod(out.shape[1:]) * out.element_size()
         own_out = (out_splits[self.rank] * out_row) if out_splits else nbytes(out) / n
         return self._run("all_to_all", s, s - own_in, nbytes(out) - own_out,
                          lambda: dist.all_to_all_single(out, t, out_splits, in_splits,

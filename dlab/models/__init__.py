@@ -1,4 +1,5 @@
-"""Models every strategy trains: ``gpt`` (a small decoder-only transformer) and ``mlp``.
+"""Models every strategy trains: ``gpt`` (a small decoder-only transformer), ``moe`` (the same
+with mixture-of-experts MLPs) and ``mlp``.
 
 ``build(name, options, seed)`` makes the same weights on every rank and in the single-process
 reference: the generator is seeded right before construction and the model is built on the CPU
@@ -10,8 +11,9 @@ import torch
 
 from dlab.models.gpt import GPT, GPTConfig
 from dlab.models.mlp import MLP, MLPConfig
+from dlab.models.moe import MoEConfig, MoEGPT
 
-MODELS = {"gpt": (GPTConfig, GPT), "mlp": (MLPConfig, MLP)}
+MODELS = {"gpt": (GPTConfig, GPT), "moe": (MoEConfig, MoEGPT), "mlp": (MLPConfig, MLP)}
 
 
 def model_config(name: str, options: dict):
@@ -34,4 +36,5 @@ def build(name: str, options: dict, seed: int) -> torch.nn.Module:
         return MODELS[name][1](cfg)
 
 
-__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "build", "model_config"]
+__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "MoEConfig", "MoEGPT", "build",
+           "model_config"]

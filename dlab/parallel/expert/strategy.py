@@ -1,0 +1,104 @@
+"""The ``ep`` strategy: expert parallelism combined with data parallelism, on the ``moe`` model.
+
+Every rank takes its slice of the global batch, as in data parallelism, and holds every
+non-expert parameter (attention, norms, embeddings, routers) plus E/n of each layer's experts.
+Tokens travel to their experts' ranks and back (``dispatch``). Gradients:
+
+- non-expert parameters saw only this rank's tokens: all-reduced, as in data parallelism;
+- an expert's parameters saw every rank's tokens routed to it, through the all-to-all's
+  backward: their gradient is already the sum over the global batch, and needs no collective.
+
+Each rank's loss is the mean over its shard and is scaled by 1/n before backward, so both
+kinds of gradient come out as the gradient of the global mean loss, which is what makes the
+run equal to ``single`` on the same model. Memory per rank: the dense part whole, 1/n of the
+experts; that is how expert counts grow past what one device holds (Switch Transformer,
+Fedus et al. 2021, sec. 5).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dlab.data import shard
+from dlab.metrics import ActivationMeter, model_state_memory
+from dlab.parallel import register
+from dlab.parallel.base import Strategy, data_parallel_problems
+from dlab.parallel.data_parallel.replica import unknown_options
+from dlab.parallel.expert.dispatch import ExpertParallelCombine
+
+
+def owner(expert: int, n_expert: int, ranks: int) -> int:
+    return expert // (n_expert // ranks)
+
+
+@register("ep")
+class ExpertParallel(Strategy):
+    """Expert parallelism x data parallelism: experts split over ranks, tokens sent to them
+    by all-to-all."""
+
+    @classmethod
+    def problems(cls, config):
+        p = super().problems(config) + unknown_options(config, ())
+        if config.model != "moe":
+            return p + [f"expert parallelism splits a mixture of experts; use model='moe' "
+                        f"(got {config.model!r})"]
+        n_expert = config.model_config().n_expert
+        if n_expert % config.world_size:
+            p.append(f"model option n_expert={n_expert} does not split evenly over "
+                     f"world_size={config.world_size}; use a multiple of {config.world_size}")
+        return p + data_parallel_problems(config, config.world_size)
+
+    def setup(self) -> None:
+        ctx = self.ctx
+        self.model = self.build_model()
+        n_expert = ctx.config.model_config().n_expert
+        self.combines = []
+        for moe in (block.mlp for block in self.model.blocks):
+            local = {e: moe.experts[e] for e in range(n_expert)
+                     if owner(e, n_expert, ctx.world_size) == ctx.rank}
+            moe.experts = torch.nn.ModuleList(local.values())  # the others are dropped
+            moe.first_expert = min(local)
+            combine = ExpertParallelCombine(ctx.comm, local, n_expert)
+            moe.combine = combine
+            self.combines.append(combine)
+        expert_ids = {id(p) for block in self.model.blocks for p in block.mlp.experts.parameters()}
+        self.params = list(self.model.parameters())
+        self.dense = [p for p in self.params if id(p) not in expert_ids]
+        self.optimizer = self.build_optimizer(self.params)
+        self.meter = ActivationMeter(self.params)
+
+    def step(self, batch):
+        tl, comm = self.ctx.timeline, self.ctx.comm
+        x, y = (t.to(self.ctx.device) for t in shard(batch, self.ctx.rank, self.ctx.world_size))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.meter.reset_peak()
+        with tl.span("forward"), self.meter.track():
+            loss = self.model.criterion(self.model(x), y)
+        with tl.span("backward"):
+            (loss / comm.size).backward()
+        with tl.span("all_reduce"):
+            for p in self.dense:
+                comm.all_reduce(p.grad)
+        with tl.span("optimizer"):
+            self.optimizer.step()
+        return self.mean_loss(loss)
+
+    def memory(self):
+        mem = model_state_memory(self.params, self.optimizer)
+        mem["activations"], mem["comm_buffers"] = self.meter.peak, 0
+        return mem
+
+    def full_state_dict(self):
+        """Every rank's experts gathered (as objects, outside the counted traffic) under the
+        names they have in the single model."""
+        mine = {}
+        for name, t in self.model.state_dict().items():
+            parts = name.split(".")
+            if "experts" in parts:
+                i = parts.index("experts")
+                layer = self.model.blocks[int(parts[1])].mlp
+                parts[i + 1] = str(layer.first_expert + int(parts[i + 1]))
+            mine[".".join(parts)] = t.detach().cpu().clone()
+        everyone = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        return {k: v for part in everyone for k, v in part.items()}
