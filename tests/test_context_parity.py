@@ -1,5 +1,5 @@
 """The ``cp`` strategy trains exactly like ``single`` (ring and all-gather attention, zigzag and
-contiguous layouts, 2 and 4 ranks), sends per step what ``dlab.estimate.context`` says, and
+contiguous layouts, 2 and 4 ranks, and CP x DP), sends per step what ``dlab.estimate.context`` says, and
 refuses a configuration it cannot split before any process starts."""
 from __future__ import annotations
 
@@ -31,11 +31,25 @@ def test_cp_trains_like_single_and_sends_the_formula_bytes(attention, lay, world
         assert all(m["comm"]["sent_bytes"] == want for m in run.metrics(rank))
 
 
+def test_cp_times_dp_trains_like_single(runs_dir, reference):
+    """4 ranks as 2 data-parallel replicas of 2 context-parallel ranks each."""
+    run = dlab.launch("cp", 4, runs_dir=runs_dir, wait=True, save_final=True,
+                      options={"cp": 2}, **CP_GPT)
+    assert_same_training(run, reference(**CP_GPT))
+    opts = CP_GPT["model_options"]
+    kv = est.kv_bytes(CP_GPT["batch_size"] // 2, opts["seq_len"], opts["d_model"], 2)
+    want = est.sent_per_step("ring", 2, opts["n_layer"], kv, PARAM_BYTES, world=4)
+    for rank in range(4):
+        assert all(m["comm"]["sent_bytes"] == want for m in run.metrics(rank))
+
+
 def test_cp_refuses_what_cannot_be_split(runs_dir):
     with pytest.raises(ConfigError, match="seq_len=30 does not cut into 8 equal chunks"):
         dlab.launch("cp", 4, runs_dir=runs_dir,
                     model_options={**TINY_GPT["model_options"], "seq_len": 30})
     with pytest.raises(ConfigError, match="option attention='flash' is not one of"):
         dlab.launch("cp", 2, runs_dir=runs_dir, options={"attention": "flash"})
+    with pytest.raises(ConfigError, match="option cp=3 must divide world_size=4"):
+        dlab.launch("cp", 4, runs_dir=runs_dir, options={"cp": 3})
     with pytest.raises(ConfigError, match="use model='gpt'"):
         dlab.launch("cp", 2, runs_dir=runs_dir, model="mlp")

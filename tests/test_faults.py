@@ -3,6 +3,7 @@ the rank and shows why. Each test also checks (runs_dir fixture) that nothing is
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 
@@ -62,13 +63,22 @@ def test_failure_reaches_the_caller_within_seconds(runs_dir):
     assert time.time() - raised_at < 10, "every rank must be gone within 10 s of the failure"
 
 
-def test_an_interrupted_wait_leaves_no_process(runs_dir):
+@pytest.fixture
+def interruptible():
+    """Python's SIGINT handler, as a terminal or a kernel has it. A job a shell starts in the
+    background inherits SIGINT ignored, and then ``interrupt_main`` does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupted_wait_leaves_no_process(runs_dir, interruptible):
     run = dlab.launch("torch-ddp", 4, runs_dir=runs_dir, **LONG)
     for _ in run.stream(timeout=120):
         break  # the run is training
     threading.Timer(0.5, _thread.interrupt_main).start()  # what a notebook's stop button sends
     with pytest.raises(KeyboardInterrupt):
-        run.wait()
+        run.wait(timeout=120)  # a timeout, not a hang, if the interrupt never came
     stopped = time.monotonic()
     while processes_of(run.path) and time.monotonic() - stopped < 5:
         time.sleep(0.05)

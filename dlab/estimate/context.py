@@ -7,7 +7,8 @@ one layer are kv = 2 b (T/n) d * 4 bytes (fp32). Per layer and step a rank sends
     ring        (n-1) kv  (blocks, forward)      + (n-1) kv  (blocks again, backward)
                                                  +   n   kv  (dK, dV accumulators, n hops home)
 
-and, as in data parallelism, 2 (n-1)/n P for the gradients of P parameter bytes. The ring
+and, as in data parallelism, 2 (W-1)/W P for the gradients of P parameter bytes over all W
+ranks (W = n, or n x dp under CP x DP). The ring
 sends 1.5x the all-gather's K/V bytes (asymptotically) but keeps one rank's memory at T/n.
 """
 from __future__ import annotations
@@ -17,6 +18,11 @@ def kv_bytes(batch: int, seq_len: int, d_model: int, n: int, bytes_per: int = 4)
     return 2 * batch * (seq_len // n) * d_model * bytes_per
 
 
-def sent_per_step(attention: str, n: int, n_layer: int, kv: int, param_bytes: int) -> float:
+def sent_per_step(attention: str, n: int, n_layer: int, kv: int, param_bytes: int,
+                  world: int | None = None) -> float:
+    """``n`` ranks share each sequence; the gradient all-reduce spans all ``world`` ranks
+    (``n`` times the data-parallel degree; default ``n``). ``kv`` is for one rank's share of its
+    replica's batch."""
+    world = world or n
     per_layer = {"allgather": 2 * (n - 1) * kv, "ring": (3 * n - 2) * kv if n > 1 else 0}[attention]
-    return n_layer * per_layer + 2 * (n - 1) / n * param_bytes
+    return n_layer * per_layer + 2 * (world - 1) / world * param_bytes

@@ -13,26 +13,32 @@ What it buys: activation memory per rank falls as 1/n with the ring (long sequen
 the price of K/V traffic per layer, which grows with the sequence, not with the model.
 
 ``options``: ``attention`` = ``"ring"`` (default) or ``"allgather"``; ``layout`` =
-``"zigzag"`` (default) or ``"contiguous"``.
+``"zigzag"`` (default) or ``"contiguous"``; ``cp`` = the context-parallel degree (default:
+every rank). With fewer, the ranks form ``Mesh({"dp": world/cp, "cp": cp})``: each group of cp
+adjacent ranks shares a slice of the batch and splits its sequences (CP x DP). The gradient
+all-reduce then runs over every rank, since each one's gradient covers different tokens.
 """
 from __future__ import annotations
 
 import functools
 
 from dlab import checkpoint
+from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
-from dlab.parallel.base import Strategy
+from dlab.parallel.base import Strategy, data_parallel_problems
 from dlab.parallel.context import layout
 from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
 from dlab.parallel.data_parallel.replica import unknown_options
+from dlab.parallel.mesh import Mesh
 
 ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}
 
 
-def cp_options(config) -> tuple[str, str]:
+def cp_options(config) -> tuple[str, str, int]:
     return (str(config.options.get("attention", "ring")),
-            str(config.options.get("layout", "zigzag")))
+            str(config.options.get("layout", "zigzag")),
+            int(config.options.get("cp", config.world_size)))
 
 
 @register("cp")
@@ -44,32 +50,36 @@ class ContextParallel(Strategy):
 
     @classmethod
     def problems(cls, config):
-        p = super().problems(config) + unknown_options(config, ("attention", "layout"))
+        p = super().problems(config) + unknown_options(config, ("attention", "layout", "cp"))
         if p:
             return p
         if config.model != "gpt":
             return [f"context parallelism splits a sequence; use model='gpt' (got {config.model!r})"]
-        attention, lay = cp_options(config)
+        attention, lay, cp = cp_options(config)
+        if cp < 1 or config.world_size % cp:
+            return [f"option cp={cp} must divide world_size={config.world_size} (cp x dp ranks)"]
+        p += data_parallel_problems(config, config.world_size // cp)
         if attention not in ATTENTION:
             p.append(f"option attention={attention!r} is not one of {sorted(ATTENTION)}")
         if lay not in layout.LAYOUTS:
             p.append(f"option layout={lay!r} is not one of {list(layout.LAYOUTS)}")
-        pieces = layout.chunks(lay, config.world_size)
+        pieces = layout.chunks(lay, cp)
         seq_len = config.model_config().seq_len
         if lay in layout.LAYOUTS and seq_len % pieces:
             p.append(f"model option seq_len={seq_len} does not cut into {pieces} equal chunks "
-                     f"({lay} layout at world_size {config.world_size}); use a multiple of {pieces}")
+                     f"({lay} layout at cp={cp}); use a multiple of {pieces}")
         return p
 
     def setup(self) -> None:
         ctx = self.ctx
-        attention, lay = cp_options(ctx.config)
+        attention, lay, cp = cp_options(ctx.config)
+        self.dp = ctx.world_size // cp
+        self.mesh = Mesh({"dp": self.dp, "cp": cp}, device_type=ctx.device.type)
         seq_len = ctx.config.model_config().seq_len
-        positions = [layout.positions(lay, seq_len, r, ctx.world_size).to(ctx.device)
-                     for r in range(ctx.world_size)]
-        self.positions = positions[ctx.rank]
+        positions = [layout.positions(lay, seq_len, r, cp).to(ctx.device) for r in range(cp)]
+        self.positions = positions[self.mesh.rank("cp")]
         self.model = self.build_model()
-        core = functools.partial(ATTENTION[attention], ring=Ring(ctx.comm, positions))
+        core = functools.partial(ATTENTION[attention], ring=Ring(self.mesh.comm("cp"), positions))
         for block in self.model.blocks:
             block.attn.core = core
         self.params = list(self.model.parameters())
@@ -78,7 +88,8 @@ class ContextParallel(Strategy):
 
     def step(self, batch):
         tl, comm = self.ctx.timeline, self.ctx.comm
-        x, y = (t[:, self.positions.cpu()].to(self.ctx.device) for t in batch)
+        mine = shard(batch, self.mesh.rank("dp"), self.dp)
+        x, y = (t[:, self.positions.cpu()].to(self.ctx.device) for t in mine)
         self.optimizer.zero_grad(set_to_none=True)
         self.meter.reset_peak()
         with tl.span("forward"), self.meter.track():
@@ -91,6 +102,9 @@ class ContextParallel(Strategy):
         with tl.span("optimizer"):
             self.optimizer.step()
         return self.mean_loss(loss)
+
+    def comms(self):
+        return [self.ctx.comm, self.mesh.comm("cp")]
 
     def memory(self):
         return self.replica_memory(self.model, self.optimizer)
