@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dlab import models
+from dlab import checkpoint, models
 from dlab.comm.instrumented import Comm
 from dlab.config import RunConfig
 from dlab.metrics import ActivationMeter, model_state_memory
@@ -111,6 +111,26 @@ class Strategy:
         t = loss.detach().float().reshape(1).clone()
         dist.all_reduce(t, group=group)
         return t.item() / dist.get_world_size(group)
+
+
+class WholeModel(Strategy):
+    """A strategy whose every rank holds the whole model (``self.model``) and its whole
+    optimizer (``self.optimizer``): memory, full state and checkpoints are a replica's, and a
+    checkpoint needs rank 0's part only."""
+
+    replicated = True
+
+    def memory(self):
+        return self.replica_memory(self.model, self.optimizer)
+
+    def full_state_dict(self):
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_state(self):
+        return checkpoint.replica_state(self.model, self.optimizer)
+
+    def load_checkpoint_state(self, reader):
+        checkpoint.load_replica(self.model, self.optimizer, reader)
 
 
 def data_parallel_problems(config: RunConfig, dp: int) -> list[str]:

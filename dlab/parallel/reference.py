@@ -10,18 +10,16 @@ import time
 
 from torch.nn.parallel import DistributedDataParallel
 
-from dlab import checkpoint
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
-from dlab.parallel.base import Strategy, data_parallel_problems
+from dlab.parallel.base import WholeModel, data_parallel_problems
 
 
 @register("single")
-class Single(Strategy):
+class Single(WholeModel):
     """One process, the whole model and the whole global batch: the ground truth."""
     world_sizes = (1,)
-    replicated = True
 
     def setup(self) -> None:
         self.model = self.build_model()
@@ -41,21 +39,9 @@ class Single(Strategy):
             self.optimizer.step()
         return loss.item()
 
-    def memory(self):
-        return self.replica_memory(self.model, self.optimizer)
-
-    def full_state_dict(self):
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-
-    def checkpoint_state(self):
-        return checkpoint.replica_state(self.model, self.optimizer)
-
-    def load_checkpoint_state(self, reader):
-        checkpoint.load_replica(self.model, self.optimizer, reader)
-
 
 @register("torch-ddp")
-class TorchDDP(Strategy):
+class TorchDDP(WholeModel):
     """PyTorch's DistributedDataParallel, the peer for dlab's data parallelism.
 
     ``options``: ``bucket_cap_mb`` (PyTorch's default 25).
@@ -65,8 +51,6 @@ class TorchDDP(Strategy):
     that does exactly what the built-in one does (divide by N, all-reduce) counts the bytes and
     records each bucket's all-reduce on the timeline.
     """
-
-    replicated = True
 
     @classmethod
     def problems(cls, config):
@@ -94,18 +78,6 @@ class TorchDDP(Strategy):
         with tl.span("optimizer"):
             self.optimizer.step()
         return self.mean_loss(loss)
-
-    def memory(self):
-        return self.replica_memory(self.model, self.optimizer)
-
-    def full_state_dict(self):
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-
-    def checkpoint_state(self):
-        return checkpoint.replica_state(self.model, self.optimizer)
-
-    def load_checkpoint_state(self, reader):
-        checkpoint.load_replica(self.model, self.optimizer, reader)
 
 
 def _counting_allreduce_hook(strategy, bucket):

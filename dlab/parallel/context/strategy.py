@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import functools
 
-from dlab import checkpoint
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
-from dlab.parallel.base import Strategy, data_parallel_problems
+from dlab.parallel.base import WholeModel, data_parallel_problems
 from dlab.parallel.context import layout
 from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
 from dlab.parallel.data_parallel.replica import unknown_options
@@ -42,11 +41,9 @@ def cp_options(config) -> tuple[str, str, int]:
 
 
 @register("cp")
-class ContextParallel(Strategy):
+class ContextParallel(WholeModel):
     """Context parallelism: each rank holds a share of every sequence; attention by ring or
     all-gather."""
-
-    replicated = True
 
     @classmethod
     def problems(cls, config):
@@ -105,15 +102,3 @@ class ContextParallel(Strategy):
 
     def comms(self):
         return [self.ctx.comm, self.mesh.comm("cp")]
-
-    def memory(self):
-        return self.replica_memory(self.model, self.optimizer)
-
-    def full_state_dict(self):
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-
-    def checkpoint_state(self):
-        return checkpoint.replica_state(self.model, self.optimizer)
-
-    def load_checkpoint_state(self, reader):
-        checkpoint.load_replica(self.model, self.optimizer, reader)
