@@ -1,5 +1,6 @@
 """The analytic model: what theory predicts for a configuration, to set beside what was measured.
 
-One module per subject: ``comm`` (alpha-beta cost of collectives), and, as the strategy
-families arrive, memory, bubble and bytes-moved formulas of their own.
+One module per subject: ``comm`` (alpha-beta cost of collectives), ``memory`` (model state per
+rank), ``data_parallel``, ``pipeline`` (bubble, activations in flight), ``tensor``, ``context``,
+``expert`` and ``hybrid`` (3D: DP x PP x TP): bytes moved and memory of each family.
 """

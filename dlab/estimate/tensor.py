@@ -42,13 +42,30 @@ def _config(model_options: dict | GPTConfig) -> GPTConfig:
     return model_options if isinstance(model_options, GPTConfig) else GPTConfig(**model_options)
 
 
+def block_params(cfg: GPTConfig, tp: int) -> int:
+    """Parameters of one transformer block held by one tensor-parallel rank: two layer norms,
+    q/k/v column-parallel, proj row-parallel (bias whole), the MLP's fc and proj likewise."""
+    d, f, t = cfg.d_model, cfg.d_ff, tp
+    return 2 * 2 * d + 3 * (d * d // t + d // t) + (d * d // t + d) + (f // t * d + f // t) + (
+        f // t * d + d)
+
+
+def embedding_params(cfg: GPTConfig, tp: int) -> int:
+    """The token embedding's vocabulary shard and the whole position embedding."""
+    return cfg.vocab_size // tp * cfg.d_model + cfg.seq_len * cfg.d_model
+
+
+def head_params(cfg: GPTConfig, tp: int, tied_in_embedding: bool = True) -> int:
+    """The final layer norm and the output projection's vocabulary shard, unless the matrix is
+    tied and already counted with the embedding (``tied_in_embedding``; a pipeline's last stage
+    holds its own copy)."""
+    own = not cfg.tied or not tied_in_embedding
+    return 2 * cfg.d_model + (cfg.vocab_size // tp * cfg.d_model if own else 0)
+
+
 def local_params(cfg: GPTConfig, tp: int) -> int:
     """Parameters held by one tensor-parallel rank."""
-    d, f, v, s, t = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len, tp
-    block = 2 * 2 * d + 3 * (d * d // t + d // t) + (d * d // t + d) + (f // t * d + f // t) + (
-        f // t * d + d)
-    head = 2 * d + (0 if cfg.tied else v // t * d)
-    return v // t * d + s * d + cfg.n_layer * block + head
+    return embedding_params(cfg, tp) + cfg.n_layer * block_params(cfg, tp) + head_params(cfg, tp)
 
 
 def sequence_parallel_params(cfg: GPTConfig) -> int:

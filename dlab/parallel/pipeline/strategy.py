@@ -6,9 +6,16 @@
   global batch is cut into m equal micro-batches whose gradients accumulate.
 - ``virtual_stages`` (v): stages per rank for ``pipeline-interleaved`` (default 2); the
   V-schedule always has 2.
-- ``dp`` (default 1): replicas of the whole pipeline. Ranks form a ``Mesh({"dp": d, "pp": p})``
-  with p = world_size / d: ranks 0..p-1 are the first pipeline, the pipeline's neighbours are
-  adjacent ranks. After the schedule each gradient is averaged over the d replicas.
+- ``dp`` (default 1): replicas of the whole pipeline.
+- ``tp`` (default 1): tensor parallelism inside every stage (Megatron-LM's layout,
+  ``dlab.parallel.tensor``): with dp and tp both above 1 this is 3D parallelism (Narayanan et
+  al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters"). Ranks form a
+  ``Mesh({"dp": d, "pp": p, "tp": t})`` with p = world_size / (d t): the t ranks of a stage are
+  adjacent (TP is the chattiest: an all-reduce per layer), then the p stages of a pipeline,
+  then the d replicas. A stage's tensor-parallel ranks run the same schedule in lockstep; rank
+  (pp=s, tp=r) sends its activations to (pp=s+1, tp=r), the whole activation (no sequence
+  parallelism here), since every rank of a TP group holds the same block outputs. After the
+  schedule each gradient is averaged over the d replicas.
 - ``balance``: ``"params"`` (default: blocks dealt out by parameter count) or ``"time"``
   (measured forward+backward time of each block on rank 0, broadcast to all).
 
@@ -32,8 +39,10 @@ from dlab.parallel.pipeline import schedules
 from dlab.parallel.pipeline.executor import Executor
 from dlab.parallel.pipeline.split import StageModule, param_costs, partition, time_costs
 from dlab.parallel.pipeline.weight_grad import WeightGradStore, split_linears
+from dlab.parallel.tensor.model import TensorParallelGPT
+from dlab.parallel.tensor.strategy import gather_shards, model_split_problems
 
-OPTIONS = ("microbatches", "virtual_stages", "dp", "balance")
+OPTIONS = ("microbatches", "virtual_stages", "dp", "tp", "balance")
 
 
 class Pipeline(Strategy):
@@ -43,13 +52,14 @@ class Pipeline(Strategy):
 
     # --- configuration --------------------------------------------------------------------
     @classmethod
-    def layout(cls, config) -> tuple[int, int, int, int]:
-        """(p, d, m, v) from the config's options."""
+    def layout(cls, config) -> tuple[int, int, int, int, int]:
+        """(p, d, t, m, v) from the config's options."""
         o = config.options
-        d = o.get("dp", 1)
+        d, t = o.get("dp", 1), o.get("tp", 1)
         m = o.get("microbatches", 1 if cls.schedule == "naive" else 4)
         v = o.get("virtual_stages", cls.default_v)
-        return config.world_size // d if isinstance(d, int) and d > 0 else 0, d, m, v
+        whole = all(isinstance(k, int) and k > 0 for k in (d, t))
+        return config.world_size // (d * t) if whole else 0, d, t, m, v
 
     @classmethod
     def problems(cls, config) -> list[str]:
@@ -59,16 +69,22 @@ class Pipeline(Strategy):
             out.append(f"unknown option(s) {unknown} for {config.strategy}; it takes {list(OPTIONS)}")
         if config.model != "gpt":
             return out + [f"{config.strategy} splits the GPT by layers; use model='gpt'"]
-        p, d, m, v = cls.layout(config)
-        for name, val in (("dp", d), ("microbatches", m), ("virtual_stages", v)):
+        p, d, t, m, v = cls.layout(config)
+        for name, val in (("dp", d), ("tp", t), ("microbatches", m), ("virtual_stages", v)):
             if not isinstance(val, int) or val < 1:
                 out.append(f"option {name} must be a whole number >= 1 (got {val!r})")
         if out:
             return out
-        if config.world_size % d:
-            return [f"dp={d} does not divide world_size={config.world_size}: the ranks form "
-                    f"dp x pp replicas of the pipeline; pick dp among the divisors of "
-                    f"{config.world_size}"]
+        if config.world_size % (d * t):
+            what = f"dp={d}" if t == 1 else f"dp x tp = {d} x {t} = {d * t}"
+            return [f"{what} does not divide world_size={config.world_size}: the ranks form "
+                    f"dp x pp x tp; pick dp x tp among the divisors of {config.world_size}"]
+        if t > 1:
+            out += model_split_problems(config.model_config(), t)
+            if cls.schedule in ("zb-h1", "zbv"):
+                out.append(f"{cls.schedule} splits the backward of nn.Linear layers, and the "
+                           f"tensor-parallel layers are not split here: use tp=1, or gpipe, "
+                           f"1f1b or interleaved with tp")
         if config.batch_size % (d * m):
             out.append(f"batch_size={config.batch_size} must split into dp={d} replicas of "
                        f"microbatches={m} equal micro-batches: use a multiple of {d * m}")
@@ -87,9 +103,9 @@ class Pipeline(Strategy):
     # --- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, ctx = self.ctx.config, self.ctx
-        p, d, m, v = self.layout(cfg)
-        self.p, self.d, self.m = p, d, m
-        self.mesh = Mesh({"dp": d, "pp": p}, device_type=ctx.device.type)
+        p, d, t, m, v = self.layout(cfg)
+        self.p, self.d, self.t, self.m = p, d, t, m
+        self.mesh = Mesh({"dp": d, "pp": p, "tp": t}, device_type=ctx.device.type)
         self.pp_rank, self.dp_rank = self.mesh.rank("pp"), self.mesh.rank("dp")
         self.sched = schedules.build(self.schedule, p, m, v)
         model = self.build_model()
@@ -104,7 +120,9 @@ class Pipeline(Strategy):
             blocks, first, last = costs[0]
         else:
             blocks, first, last = param_costs(model)
-        self.ranges = partition(blocks, n, first, last)
+        self.ranges = partition(blocks, n, first, last)  # costs of the whole model: t divides each
+        if t > 1:
+            model = TensorParallelGPT(model, self.mesh.comm("tp")).to(ctx.device)
         self.stages = {s: StageModule(model, self.ranges[s], s == 0, s == n - 1)
                        for s in self.sched.stages_of(self.pp_rank)}
         self.named = {}
@@ -125,18 +143,21 @@ class Pipeline(Strategy):
         self.act_shape = (cfg.batch_size // (d * m), mc.seq_len, mc.d_model)
 
     def _tied_group(self, model) -> Comm | None:
-        """The group of the two ranks holding the tied matrix, per replica (every rank creates
-        every group: ``new_group`` is collective)."""
+        """The group of the two ranks holding (this shard of) the tied matrix, per replica and
+        tensor-parallel rank (every rank creates every group: ``new_group`` is collective)."""
         if not model.cfg.tied:
             return None
         first, last = self.sched.stage_rank[0], self.sched.stage_rank[-1]
         if first == last:
             return None
         mine = None
+        tp_rank = self.mesh.rank("tp")
         for r in range(self.d):
-            g = dist.new_group([r * self.p + first, r * self.p + last])
-            if r == self.dp_rank and self.pp_rank in (first, last):
-                mine = Comm(g)
+            for k in range(self.t):
+                # the mesh is row-major over (dp, pp, tp)
+                g = dist.new_group([(r * self.p + s) * self.t + k for s in (first, last)])
+                if (r, k) == (self.dp_rank, tp_rank) and self.pp_rank in (first, last):
+                    mine = Comm(g)
         return mine
 
     # --- a step ---------------------------------------------------------------------------
@@ -162,11 +183,11 @@ class Pipeline(Strategy):
                     offset += g.numel()
         with tl.span("optimizer"):
             self.optimizer.step()
-        # Logging: the last stage of each replica knows its replica's loss; one raw all-reduce
-        # (not the counting Comm) gives every rank the global mean.
+        # Logging: the last stage's t ranks of each replica know its replica's loss; one raw
+        # all-reduce (not the counting Comm) gives every rank the global mean.
         t = torch.zeros(1, device=self.ctx.device)
         if loss is not None:
-            t += loss.reshape(1) / self.d
+            t += loss.reshape(1) / (self.d * self.t)
         dist.all_reduce(t)
         return t.item()
 
@@ -178,7 +199,10 @@ class Pipeline(Strategy):
         return mem
 
     def full_state_dict(self):
-        mine = {k: t.detach().cpu().clone() for k, t in self.named.items()}
+        # The same names, in the same order, on every rank of a stage's TP group.
+        tp = self.mesh.group("tp")
+        mine = {k: gather_shards(t, TensorParallelGPT.shard_dim(k), tp).cpu().clone()
+                for k, t in self.named.items()}
         gathered = [None] * self.p
         dist.all_gather_object(gathered, mine, group=self.mesh.group("pp"))
         full = {}

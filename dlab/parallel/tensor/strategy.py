@@ -44,6 +44,19 @@ def tensor_parallel_problems(config, options: tuple[str, ...] = OPTIONS) -> list
         p.append(f"world_size={config.world_size} is not a multiple of tp={tp}; use a "
                  f"world_size that tp divides (tp x dp ranks), or a tp that divides it")
     mc = config.model_config()
+    p += model_split_problems(mc, tp)
+    if sp and mc.seq_len % tp:
+        p.append(f"model option seq_len={mc.seq_len} is not divisible by tp={tp} (sequence "
+                 f"parallelism splits the sequence); use a multiple of {tp} or "
+                 f"sequence_parallel=False")
+    if not p:
+        p += data_parallel_problems(config, config.world_size // tp)
+    return p
+
+
+def model_split_problems(mc, tp: int) -> list[str]:
+    """What of the GPT's shape a tensor-parallel degree ``tp`` must divide."""
+    p = []
     for field, why in (("n_head", "attention is split by heads"),
                        ("d_ff", "the MLP's hidden layer is split by columns"),
                        ("vocab_size", "the embedding and output layer are split by vocabulary")):
@@ -51,12 +64,6 @@ def tensor_parallel_problems(config, options: tuple[str, ...] = OPTIONS) -> list
         if value % tp:
             p.append(f"model option {field}={value} is not divisible by tp={tp} ({why}); "
                      f"use a multiple of {tp} or another tp")
-    if sp and mc.seq_len % tp:
-        p.append(f"model option seq_len={mc.seq_len} is not divisible by tp={tp} (sequence "
-                 f"parallelism splits the sequence); use a multiple of {tp} or "
-                 f"sequence_parallel=False")
-    if not p:
-        p += data_parallel_problems(config, config.world_size // tp)
     return p
 
 
@@ -128,15 +135,18 @@ class TensorParallel(Strategy):
 def gather_full_state(model: TensorParallelGPT, group) -> dict[str, torch.Tensor]:
     """Every parameter at full size under ``GPT``'s names, on every rank. Uses the raw backend,
     not ``Comm``: this is checkpoint traffic, not the training step's."""
+    return {name: gather_shards(p, model.shard_dim(name), group).cpu().clone()
+            for name, p in model.state_dict().items()}
+
+
+def gather_shards(t: torch.Tensor, dim: int | None, group) -> torch.Tensor:
+    """The full tensor whose shards along ``dim`` the ranks of ``group`` hold (``t`` itself if
+    ``dim`` is None: a parameter whole on every rank). Raw backend, like the caller."""
+    t = t.detach()
     size = dist.get_world_size(group)
-    out = {}
-    for name, p in model.state_dict().items():
-        dim = model.shard_dim(name)
-        t = p.detach()
-        if dim is not None and size > 1:
-            local = t.movedim(dim, 0).contiguous()
-            full = local.new_empty((size * local.shape[0], *local.shape[1:]))
-            dist.all_gather_into_tensor(full, local, group=group)
-            t = full.movedim(0, dim)
-        out[name] = t.cpu().clone()
-    return out
+    if dim is None or size == 1:
+        return t
+    local = t.movedim(dim, 0).contiguous()
+    full = local.new_empty((size * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(full, local, group=group)
+    return full.movedim(0, dim)

@@ -1,0 +1,64 @@
+"""3D parallelism: pipeline stages split by tensor parallelism, pipelines replicated by data
+parallelism (``pipeline-*`` with options ``tp`` and ``dp``). It trains exactly like ``single``
+(fp32 on Gloo, to 1e-5); every rank's parameters and bytes sent per step equal
+``dlab.estimate.hybrid``; impossible layouts are refused before any process starts."""
+from __future__ import annotations
+
+import pytest
+from helpers import assert_same_training, losses
+
+import dlab
+from dlab.config import ConfigError
+from dlab.estimate import hybrid, tensor
+from dlab.models.gpt import GPTConfig
+
+GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
+       "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
+
+CASES = [("1f1b", 4, {"tp": 2}),                    # pp 2 x tp 2
+         ("gpipe", 4, {"tp": 2}),
+         ("interleaved", 4, {"tp": 2}),             # pp 2 x 2 virtual stages x tp 2
+         ("1f1b", 8, {"tp": 2, "dp": 2})]           # dp 2 x pp 2 x tp 2: 3D
+
+
+@pytest.mark.parametrize("schedule,world,options", CASES, ids=lambda c: str(c))
+def test_3d_matches_single(schedule, world, options, runs_dir, reference):
+    run = dlab.launch(f"pipeline-{schedule}", world, runs_dir=runs_dir, wait=True,
+                      save_final=True, options=options, **GPT)
+    assert_same_training(run, reference(**GPT))
+    assert all(losses(run, r) == losses(run, 0) for r in range(world))
+    if schedule == "interleaved":
+        return  # a rank holds two stages: the byte count below is for one stage per rank
+    cfg = GPTConfig(**GPT["model_options"])
+    t, d = options["tp"], options.get("dp", 1)
+    p = world // (t * d)
+    blocks = cfg.n_layer // p  # equal blocks: partition by parameters splits them evenly
+    for r in range(world):
+        stage = r // t % p  # the mesh is row-major over (dp, pp, tp)
+        first, last = stage == 0, stage == p - 1
+        want = hybrid.step_bytes(cfg, GPT["batch_size"], d, t, p, blocks, first, last)
+        params = hybrid.stage_params(cfg, t, blocks, first, last, p)
+        for m in run.metrics(r):
+            assert m["comm"]["sent_bytes"] == pytest.approx(want["total"], rel=1e-12), (r, want)
+            assert m["memory"]["parameters"] == params * 4
+
+
+@pytest.mark.parametrize("schedule,world,options,match", [
+    ("1f1b", 4, {"tp": 3}, "does not divide world_size=4"),
+    ("1f1b", 4, {"tp": 4}, "n_head=2 is not divisible by tp=4"),
+    ("zbv", 4, {"tp": 2}, "tensor-parallel layers are not split"),
+    ("1f1b", 4, {"tp": 0}, "tp must be a whole number >= 1"),
+])
+def test_bad_3d_layouts_are_refused_before_start(schedule, world, options, match, runs_dir):
+    with pytest.raises(ConfigError, match=match):
+        dlab.launch(f"pipeline-{schedule}", world, runs_dir=runs_dir, options=options, **GPT)
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
+@pytest.mark.parametrize("t,d", [(1, 2), (2, 1), (2, 2), (4, 1)])
+def test_one_stage_is_tensor_parallelism_on_paper(t, d):
+    """With p = 1 the 3D formula is the TP x DP one of ``estimate.tensor``, term for term."""
+    opts = GPT["model_options"]
+    got = hybrid.step_bytes(opts, 8, d, t, 1, opts["n_layer"], True, True)
+    assert got["total"] == tensor.step_bytes(opts, 8, t, d, False)["total"]
+    assert got["pipeline"] == got["tied"] == 0
