@@ -98,6 +98,18 @@ class Strategy:
             return torch.optim.Adam(params, lr=cfg.lr)
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
 
+    def forward_backward(self, x, y, scale: float = 1.0, module=None, **fields) -> torch.Tensor:
+        """Forward and backward of one (micro-)batch through ``module`` (default
+        ``self.model``; a wrapper such as DDP's), each on the timeline with ``fields``, the
+        forward's saved tensors measured. The loss is multiplied by ``scale`` before backward
+        (1/k for k accumulated micro-batches); returns the unscaled loss, detached."""
+        tl = self.ctx.timeline
+        with tl.span("forward", **fields), self.meter.track():
+            loss = self.model.criterion((module or self.model)(x), y)
+        with tl.span("backward", **fields):
+            (loss * scale if scale != 1.0 else loss).backward()
+        return loss.detach()
+
     def replica_memory(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Memory of a rank holding a whole model replica (no sharding)."""
         mem = model_state_memory(model.parameters(), optimizer)

@@ -28,14 +28,10 @@ class Single(WholeModel):
 
     def step(self, batch):
         x, y = (t.to(self.ctx.device) for t in batch)
-        tl = self.ctx.timeline
         self.optimizer.zero_grad()
         self.meter.reset_peak()
-        with tl.span("forward"), self.meter.track():
-            loss = self.model.criterion(self.model(x), y)
-        with tl.span("backward"):
-            loss.backward()
-        with tl.span("optimizer"):
+        loss = self.forward_backward(x, y)
+        with self.ctx.timeline.span("optimizer"):
             self.optimizer.step()
         return loss.item()
 
@@ -68,14 +64,11 @@ class TorchDDP(WholeModel):
 
     def step(self, batch):
         x, y = (t.to(self.ctx.device) for t in shard(batch, self.ctx.rank, self.ctx.world_size))
-        tl = self.ctx.timeline
         self.optimizer.zero_grad()
         self.meter.reset_peak()
-        with tl.span("forward"), self.meter.track():
-            loss = self.model.criterion(self.ddp(x), y)
-        with tl.span("backward"):
-            loss.backward()  # DDP's reducer all-reduces buckets as they fill, then waits
-        with tl.span("optimizer"):
+        # DDP's reducer all-reduces buckets as they fill during backward, then waits
+        loss = self.forward_backward(x, y, module=self.ddp)
+        with self.ctx.timeline.span("optimizer"):
             self.optimizer.step()
         return self.mean_loss(loss)
 

@@ -46,16 +46,6 @@ class Replica(Strategy):
     def my_shard(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(t.to(self.ctx.device) for t in shard(batch, self.ctx.rank, self.ctx.world_size))
 
-    def forward_backward(self, x, y, scale: float = 1.0, **fields) -> torch.Tensor:
-        """Forward and backward of one (micro-)batch; the loss is multiplied by ``scale`` before
-        backward (1/k for k accumulated micro-batches). Returns the unscaled loss, detached."""
-        tl = self.ctx.timeline
-        with tl.span("forward", **fields), self.meter.track():
-            loss = self.model.criterion(self.model(x), y)
-        with tl.span("backward", **fields):
-            (loss * scale if scale != 1.0 else loss).backward()
-        return loss.detach()
-
     def memory(self):
         return self.replica_memory(self.model, self.optimizer)
 

@@ -104,13 +104,11 @@ class TensorParallel(Strategy):
         tl = self.ctx.timeline
         self.optimizer.zero_grad()
         self.meter.reset_peak()
-        with tl.span("forward"), self.meter.track():
-            loss = self.model.criterion(self.model(x), y)
-        with tl.span("backward"):
-            loss.backward()
-            if self.sp_params and self.tp > 1:
-                # Under sequence parallelism each rank's layer norms, biases and positions saw
-                # only its tokens: sum the partial gradients (one flat all-reduce per step).
+        loss = self.forward_backward(x, y)
+        if self.sp_params and self.tp > 1:
+            # Under sequence parallelism each rank's layer norms, biases and positions saw only
+            # its tokens: sum the partial gradients (one flat all-reduce per step).
+            with tl.span("all_reduce", what="sequence_parallel"):
                 all_reduce_grads(self.sp_params, self.tp_comm, average=False)
         if self.dp > 1:
             with tl.span("all_reduce"):  # data parallelism: average over the replicas

@@ -107,10 +107,7 @@ class TorchTensorParallel(Strategy):
         tl = self.ctx.timeline
         self.optimizer.zero_grad()
         self.meter.reset_peak()
-        with tl.span("forward"), self.meter.track():
-            loss = self.model.criterion(self.model(x), y)
-        with tl.span("backward"):
-            loss.backward()
+        loss = self.forward_backward(x, y)
         if self.dp > 1:
             with tl.span("all_reduce"):
                 locals_ = [_LocalGrad(p) for p in self.params]
