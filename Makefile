@@ -1,11 +1,14 @@
 # The two commands a newcomer needs:
 #   make lab    installs everything into .venv and opens JupyterLab on notebooks/
 #   make test   installs everything into .venv and runs every test (pytest, then nbval on notebooks)
-# TORCH picks the torch requirement installed first; the default is the CPU build this lab's CI
-# uses. On a GPU machine: make lab TORCH=torch
+# TORCH picks the torch requirement installed first. The CI machine's pip serves the CPU build of
+# torch==2.13.0; where plain PyPI would pull the multi-GB CUDA build instead, name PyTorch's CPU
+# index: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# On a GPU machine: make lab TORCH=torch
 PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -13,7 +16,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 

@@ -17,12 +17,14 @@ LONG = {**TINY_GPT, "steps": 10**6}  # never reached: each test ends the run lon
 
 
 def _fail(runs_dir, fault, **extra) -> tuple[dlab.RunFailed, float]:
+    """Run with ``fault`` until it fails; the error, and the seconds from the faulty rank's last
+    metric line (written just before the step that injects the fault) to every process gone."""
     run = dlab.launch("torch-ddp", 4, runs_dir=runs_dir, fault=fault, **{**TINY_GPT, "steps": 6, **extra})
     with pytest.raises(dlab.RunFailed) as info:
         run.wait(timeout=120)
-    injected_at = max(m["time"] for m in run.metrics(fault["rank"])) if run.metrics(fault["rank"]) else 0
     assert run.state == "failed" and not processes_of(run.path)
-    return info.value, injected_at
+    last_metric = (run.path / "metrics" / f"rank{fault['rank']}.jsonl").stat().st_mtime
+    return info.value, time.time() - last_metric
 
 
 def test_a_rank_that_raises_is_named_with_its_traceback(runs_dir):
@@ -36,14 +38,16 @@ def test_a_rank_that_raises_is_named_with_its_traceback(runs_dir):
 
 
 def test_a_killed_rank_is_named_and_nothing_hangs(runs_dir):
-    err, _ = _fail(runs_dir, {"rank": 2, "step": 2, "kind": "kill"})
+    err, gone_after = _fail(runs_dir, {"rank": 2, "step": 2, "kind": "kill"})
     assert err.rank == 2 and err.exit_code == -9
     assert "killed by SIGKILL" in str(err)
+    assert gone_after < 10, "every rank must be gone within 10 s of the kill"
 
 
 def test_a_silent_exit_is_reported_with_its_code(runs_dir):
-    err, _ = _fail(runs_dir, {"rank": 3, "step": 1, "kind": "exit"})
+    err, gone_after = _fail(runs_dir, {"rank": 3, "step": 1, "kind": "exit"})
     assert err.rank == 3 and err.exit_code == 3 and "exited with code 3" in str(err)
+    assert gone_after < 10
 
 
 def test_a_collective_that_never_completes_ends_at_the_deadline(runs_dir):
