@@ -64,6 +64,16 @@ def test_pipeline_times_data_parallel_matches_single(name, pipeline_runs, refere
         assert m["comm_by_op"]["all_reduce"]["calls"] >= 1
 
 
+def test_stages_balanced_by_measured_time_train_like_single(runs_dir, reference):
+    """``balance="time"``: rank 0 times every block and broadcasts the split; whatever split the
+    timings give, the training is the same."""
+    run = dlab.launch("pipeline-1f1b", 2, runs_dir=runs_dir, wait=True, save_final=True,
+                      options={"balance": "time"}, **PIPE_GPT)
+    assert_same_training(run, reference(**PIPE_GPT))
+    stages = [{e["stage"] for e in run.timeline(r) if "stage" in e} for r in range(2)]
+    assert stages == [{0}, {1}]
+
+
 def test_activation_peaks_follow_in_flight_counts(pipeline_runs):
     """1F1B holds min(p-r, m) micro-batches where GPipe holds m: the measured peaks (storage
     counted) stand in exactly that ratio, rank by rank."""

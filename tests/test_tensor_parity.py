@@ -21,7 +21,8 @@ CASES = [  # (world_size, options)
     (2, {"tp": 2, "sequence_parallel": True}),
     (4, {"tp": 4}),
     (4, {"tp": 4, "sequence_parallel": True}),
-    (4, {"tp": 2, "sequence_parallel": True}),  # TP x DP, 2 x 2
+    (4, {"tp": 2}),  # TP x DP, 2 x 2
+    (4, {"tp": 2, "sequence_parallel": True}),
 ]
 
 

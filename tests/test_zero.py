@@ -115,6 +115,7 @@ MP_LOSS_TOL, MP_MEAN_TOL = 2e-2, 1e-4
 
 @pytest.mark.parametrize("strategy,n,options", [
     ("zero1", 2, {"mixed_precision": True}),
+    ("zero2", 4, {"mixed_precision": True}),
     ("zero3", 4, {"mixed_precision": True, "offload_optimizer": True}),
 ])
 def test_mixed_precision_matches_a_bf16_reference_and_16_bytes_per_parameter(strategy, n, options,
