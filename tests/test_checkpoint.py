@@ -17,11 +17,13 @@ from dlab import checkpoint
 RUN = {**TINY_GPT, "steps": 8, "save_final": True}
 
 
-def test_killed_rank_resumes_bitwise_identical(runs_dir):
+@pytest.mark.parametrize("strategy", ["torch-ddp", "zero3"])
+def test_killed_rank_resumes_bitwise_identical(strategy, runs_dir):
     """Train 8 steps uninterrupted, vs. kill rank 1 at step 5 and let torchrun restart every rank
-    from the step-4 checkpoint: the same losses and parameters, bit for bit (CPU, fp32)."""
-    clean = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, **RUN)
-    hurt = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, checkpoint_every=2, max_restarts=1,
+    from the step-4 checkpoint: the same losses and parameters, bit for bit (CPU, fp32). With
+    ``zero3`` every rank wrote and reads back its own shard of parameters and Adam state."""
+    clean = dlab.launch(strategy, 2, runs_dir=runs_dir, wait=True, **RUN)
+    hurt = dlab.launch(strategy, 2, runs_dir=runs_dir, wait=True, checkpoint_every=2, max_restarts=1,
                        fault={"rank": 1, "step": 5, "kind": "kill"}, **RUN)
     assert {m["attempt"] for m in hurt.metrics(0)} == {0, 1}, "the fault must have fired and restarted"
     restart = [e for e in hurt.timeline(0) if e["kind"] == "restart"]
@@ -31,6 +33,8 @@ def test_killed_rank_resumes_bitwise_identical(runs_dir):
     assert all(torch.equal(a[k], b[k]) for k in b)
     kept = [p.name for p in checkpoint.complete(hurt.path / "checkpoints")]
     assert kept == ["step-00000006", "step-00000008"]
+    files = {p.name for p in (hurt.path / "checkpoints" / "step-00000008").iterdir()}
+    assert ({"rank0.pt", "rank1.pt"} <= files) == (strategy == "zero3"), files
 
 
 def test_async_and_full_checkpoints_resume_the_same(runs_dir):
@@ -52,7 +56,9 @@ def test_reshard_four_ranks_to_two_and_to_single(runs_dir, reference):
     ref = reference(**RUN)
     for run in (two, one):
         got, want = losses(run), losses(ref)[4:]
-        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+        assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+        mine, theirs = final_state(run), final_state(ref)
+        assert max((mine[k] - theirs[k]).abs().max().item() for k in theirs) < 1e-5, run.path.name
 
 
 def test_zero3_shards_reshard_four_to_two_and_to_single(runs_dir, reference):

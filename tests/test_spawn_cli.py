@@ -31,12 +31,13 @@ def test_spawn_code_names_the_raising_rank(runs_dir):
 
 def test_cli_run_prints_a_summary_and_refuses_bad_input(runs_dir, tmp_path):
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "dlab", "run", "torch-ddp", "-n", "2", "--steps", "3",
-           "--model-opt", "n_layer=1", "--runs-dir", str(runs_dir), "--json", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    # the README's first command line, as written there (default model, 4 ranks, 20 steps)
+    cmd = [sys.executable, "-m", "dlab", "run", "torch-ddp", "--world-size", "4", "--steps", "20",
+           "--runs-dir", str(runs_dir), "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert "step ms" in done.stdout and "ok" in done.stdout
-    assert [r["steps"] for r in json.loads(out.read_text())["rows"]] == [3, 3]
+    assert [r["steps"] for r in json.loads(out.read_text())["rows"]] == [20] * 4
     bad = subprocess.run(cmd[:5] + ["-n", "3", "--batch-size", "8"], capture_output=True, text=True)
     assert bad.returncode == 2 and "does not split evenly over 3" in bad.stderr
 

@@ -1,11 +1,15 @@
 """``python -m dlab bench checkpoint``: what checkpoints cost, and what a fault costs.
 
-1. Save and load, for full (one gathered file), sharded (a file per rank) and async (sharded,
-   written by a thread while training goes on) at 2 and 4 ranks: the time a training step is
+1. Save and load of a ``zero3`` run (fp32: each rank holds 1/N of the parameters and of Adam's
+   state), for full (gathered to rank 0, one file), sharded (a file per rank, written in
+   parallel) and async (sharded, written by a thread while training goes on) at 2 and 4
+   ranks: the time a training step is
    blocked by the save (median over saves), the size on disk, and the time to read, verify
    (SHA-256) and load it into a model. The peer is ``torch.save`` of the same model and
    optimizer state dicts to one file, the usual baseline; dlab's full save adds the fsync, the
-   checksum and the rename that make it atomic.
+   checksum and the rename that make it atomic. The sharded save also stands beside
+   ``torch.distributed.checkpoint`` (DCP) saving the same model sharded by FSDP2 on the same
+   ranks, each rank writing its own shards: the sharded peer.
 2. A fault: rank 1 is killed at the start of step ``f``; torchrun restarts every rank, which
    resume from the newest checkpoint. The time lost is the hurt run's wall time minus a clean
    run's (the clean run saves nothing). It decomposes as
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+import dlab
 from dlab import checkpoint, models
 from dlab.bench import compared, median
 from dlab.launch import launch
@@ -58,12 +63,44 @@ def _torch_save_seconds(root: Path) -> tuple[float, int]:
     return time.perf_counter() - start, path.stat().st_size
 
 
+def dcp_seconds(model_options: dict, path: str, repeats: int = 3) -> tuple[float, float, int]:
+    """On every rank, under ``dlab.spawn``: a GPT sharded by FSDP2 after one Adam step, saved
+    ``repeats`` times with ``torch.distributed.checkpoint`` and loaded back. Returns the median
+    save seconds, the load seconds and the bytes of one checkpoint on disk."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from dlab.parallel.zero.torch_fsdp import shard_with_fsdp2
+
+    model = shard_with_fsdp2(models.build("gpt", model_options, seed=0))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.zeros(1, 8, dtype=torch.long)
+    model.criterion(model(x), x).backward()
+    opt.step()
+    saves = []
+    for i in range(repeats):
+        state = dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True))
+        dist.barrier()
+        start = time.perf_counter()
+        dcp.save(state, checkpoint_id=f"{path}/{i}")
+        saves.append(time.perf_counter() - start)
+    dist.barrier()
+    state = dict(zip(("model", "optim"), get_state_dict(model, opt), strict=True))
+    start = time.perf_counter()
+    dcp.load(state, checkpoint_id=f"{path}/0")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    load_s = time.perf_counter() - start
+    size = sum(f.stat().st_size for f in Path(f"{path}/0").iterdir())
+    return median(saves), load_s, size
+
+
 def _save_rows(root: Path, ranks: int, steps: int) -> list[dict]:
     peer_s, peer_bytes = _torch_save_seconds(root)
     rows = []
     for label, kind, asynchronous in (("full", "full", False), ("sharded", "sharded", False),
                                       ("async", "sharded", True)):
-        run = launch("torch-ddp", ranks, runs_dir=root, wait=True, steps=steps, checkpoint_every=2,
+        run = launch("zero3", ranks, runs_dir=root, wait=True, steps=steps, checkpoint_every=2,
                      checkpoint_kind=kind, checkpoint_async=asynchronous, model_options=MODEL,
                      batch_size=8, keep_checkpoints=1)
         blocked = median([m["checkpoint_s"] for m in run.metrics(0) if "checkpoint_s" in m])
@@ -72,6 +109,15 @@ def _save_rows(root: Path, ranks: int, steps: int) -> list[dict]:
         rows.append(compared(blocked, peer_s, **what, metric="save_blocked_s"))
         rows.append(compared(_state_bytes(newest), peer_bytes, **what, metric="bytes"))
         rows.append({**what, "metric": "load_s", "dlab": _load_seconds(newest)})
+        if label == "sharded":
+            sharded_s = blocked
+    per_rank = dlab.spawn(dcp_seconds, ranks, MODEL, str(root / f"dcp-{ranks}"), runs_dir=root,
+                          timeout=300)
+    save_s = max(r[0] for r in per_rank)  # the slowest rank holds the step back
+    what = {"name": "checkpoint", "kind": "sharded vs DCP", "ranks": ranks}
+    rows.append(compared(sharded_s, save_s, **what, metric="save_blocked_s"))
+    rows.append({**what, "metric": "dcp_load_s", "peer": max(r[1] for r in per_rank)})
+    rows.append({**what, "metric": "dcp_bytes", "peer": per_rank[0][2]})
     return rows
 
 

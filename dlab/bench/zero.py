@@ -5,6 +5,8 @@ For ``torch-ddp`` (fp32: PyTorch's DDP has no bf16 master-weight recipe of its o
 ``zero2``, ``zero3`` and ``torch-fsdp2`` (both in mixed precision: bf16 compute, fp32 master
 weights and Adam state, so K = 12) at 2 and 4 ranks, one row each with:
 
+- ``params_MiB``, ``grads_MiB``, ``optim_MiB``: each category measured on rank 0 (an offloaded
+  optimizer counted under optim), beside ``*_formula_MiB``;
 - ``model_state_MiB``: parameters + gradients + optimizer state measured on rank 0, beside
   ``formula_MiB`` (``dlab.estimate.memory``: dlab's exact accounting, padding and step counters
   included; for DDP the full fp32 replica) and ``paper_MiB`` (the ZeRO paper's 2/2/12 bytes per
@@ -33,20 +35,21 @@ STATE = ("parameters", "gradients", "optimizer")
 STAGE = {"torch-ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "torch-fsdp2": 3}
 
 
-def _formula(strategy: str, n: int) -> tuple[float, float, float | None]:
-    """(dlab formula bytes, paper bytes, bytes sent per step or None) for one rank."""
+def _formula(strategy: str, n: int) -> tuple[dict, float, float | None]:
+    """(dlab formula bytes by category, paper bytes, bytes sent per step or None) for one rank."""
     units = model_units("gpt", MODEL)
     psi, stage = units.psi, STAGE[strategy]
     if strategy == "torch-ddp":
         numels = [p.numel() for p in models.build("gpt", MODEL, 0).parameters()]
-        exact = sum(ddp_memory(numels).values())
         paper = sum(paper_memory(psi, n, 0, k=8, weight_bytes=4).values())
-        return exact, paper, zero_bytes_moved(units, n, 0)
-    paper = sum(paper_memory(psi, n, stage).values())
+        return ddp_memory(numels), paper, zero_bytes_moved(units, n, 0)
+    by_paper = paper_memory(psi, n, stage)
     if strategy == "torch-fsdp2":
-        return paper, paper, None
+        # FSDP2 keeps fp32 shards (bf16 only for compute): 4 + 4 + 8 bytes per parameter / N,
+        # the same 16 Psi / N total as the paper's 2 + 2 + 12
+        return paper_memory(psi, n, stage, k=8, weight_bytes=4), sum(by_paper.values()), None
     mem = zero_memory(units, n, stage, mixed_precision=True)
-    return sum(mem[k] for k in STATE), paper, zero_bytes_moved(units, n, stage, True)
+    return mem, sum(by_paper.values()), zero_bytes_moved(units, n, stage, True)
 
 
 def _measure(strategy: str, n: int, steps: int, root) -> dict:
@@ -54,10 +57,18 @@ def _measure(strategy: str, n: int, steps: int, root) -> dict:
     run = launch(strategy, n, runs_dir=root, wait=True, steps=steps, batch_size=8,
                  model_options=MODEL, options=options)
     ms = run.metrics(0)
-    exact, paper, sent_formula = _formula(strategy, n)
-    measured = sum(ms[-1]["memory"].get(k, 0) for k in STATE) + ms[-1]["memory"].get("offloaded", 0)
+    by_formula, paper, sent_formula = _formula(strategy, n)
+    mem = dict(ms[-1]["memory"])
+    mem["optimizer"] = mem.get("optimizer", 0) + mem.get("offloaded", 0)
+    measured = sum(mem.get(k, 0) for k in STATE)
+    exact = sum(by_formula[k] for k in STATE)
+    per_category = {}
+    for k, short in zip(STATE, ("params", "grads", "optim"), strict=True):
+        per_category[f"{short}_MiB"] = mem.get(k, 0) / MiB
+        per_category[f"{short}_formula_MiB"] = by_formula[k] / MiB
     return {"name": "zero", "strategy": strategy, "ranks": n,
             "precision": "fp32" if strategy == "torch-ddp" else "bf16+fp32 master",
+            **per_category,
             "model_state_MiB": measured / MiB, "formula_MiB": exact / MiB, "paper_MiB": paper / MiB,
             "err_pct": 100 * (measured / exact - 1),
             "sent_MB": ms[-1]["comm"]["sent_bytes"] / 1e6 if sent_formula is not None else "",

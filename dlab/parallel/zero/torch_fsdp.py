@@ -79,12 +79,7 @@ class TorchFSDP2(Strategy):
                                                        reduce_dtype=torch.bfloat16)
         if opts.get("offload_optimizer", False):
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-        for block in unit_modules(model):
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        if getattr(model, "head", None) is not None and getattr(model.head, "tied_weight", False):
-            model.head.projection = lambda: model.embed.tok.weight
-        self.model = model
+        self.model = shard_with_fsdp2(model, **kwargs)
         self.optimizer = self.build_optimizer(model.parameters())
         self.meter = _ParamMeter(model)
 
@@ -117,3 +112,14 @@ class TorchFSDP2(Strategy):
     def full_state_dict(self):
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
                 for name, p in self.model.named_parameters()}
+
+
+def shard_with_fsdp2(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    """``fully_shard`` each block, then the root (``kwargs``: mesh, mp_policy, offload_policy);
+    a tied head then reads the embedding's (now sharded, all-gathered on use) matrix."""
+    for block in unit_modules(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    if getattr(model, "head", None) is not None and getattr(model.head, "tied_weight", False):
+        model.head.projection = lambda: model.embed.tok.weight
+    return model
