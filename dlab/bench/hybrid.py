@@ -1,0 +1,72 @@
+"""``python -m dlab bench hybrid``: one GPT on 4 ranks, laid out every way dp x pp x tp allows.
+
+Layouts: data parallel (``ddp``, 4 x 1 x 1), tensor parallel (``tp``, 1 x 1 x 4), TP x DP
+(2 x 1 x 2), pipeline (``pipeline-1f1b``, 1 x 4 x 1, 4 micro-batches), PP x DP (2 x 2 x 1) and
+PP x TP (1 x 2 x 2). Per layout: the parameters the fullest rank holds and the bytes the
+busiest rank sends per step, each beside ``dlab.estimate.hybrid`` (which covers all six: p = 1
+is TP x DP, t = 1 and p = 1 is plain data parallelism), the activation peak, and the step time
+beside PyTorch's DDP on the same ranks (the peer: the layout a beginner starts from).
+
+What to read in it: every layout but DP cuts the parameters per rank; TP pays with per-layer
+all-reduces of activations, the pipeline with a bubble and little traffic; on 2 CPU cores
+with 4 ranks the time column shows the costs, not speed-ups (there is no spare compute).
+"""
+from __future__ import annotations
+
+import tempfile
+
+from dlab.bench import compared, median
+from dlab.estimate import hybrid
+from dlab.models import build, model_config
+from dlab.parallel.pipeline.split import param_costs, partition
+
+MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
+BATCH, WORLD = 8, 4
+# (label, strategy, options, (dp, pp, tp))
+LAYOUTS = [("DP", "ddp", {}, (4, 1, 1)),
+           ("TP", "tp", {"tp": 4}, (1, 1, 4)),
+           ("TP x DP", "tp", {"tp": 2}, (2, 1, 2)),
+           ("PP", "pipeline-1f1b", {}, (1, 4, 1)),
+           ("PP x DP", "pipeline-1f1b", {"dp": 2}, (2, 2, 1)),
+           ("PP x TP", "pipeline-1f1b", {"tp": 2}, (1, 2, 2))]
+
+
+def formulas(dp: int, pp: int, tp: int) -> list[tuple[int, float]]:
+    """(parameters, bytes sent per step) of every rank, in rank order (the mesh is row-major
+    over (dp, pp, tp)); the stages' blocks as the pipeline strategy splits them."""
+    cfg = model_config("gpt", MODEL)
+    blocks, first, last = param_costs(build("gpt", MODEL, seed=0))
+    ranges = partition(blocks, pp, first, last)
+    out = []
+    for r in range(dp * pp * tp):
+        s = r // tp % pp
+        args = (cfg, tp, len(ranges[s]), s == 0, s == pp - 1, pp)
+        sent = hybrid.step_bytes(cfg, BATCH, dp, tp, pp, *args[2:5])["total"]
+        out.append((hybrid.stage_params(*args), sent))
+    return out
+
+
+def run(quick: bool = False) -> list[dict]:
+    import dlab
+
+    layouts = LAYOUTS[:1] + LAYOUTS[-1:] if quick else LAYOUTS
+    common = {"model_options": MODEL, "batch_size": BATCH, "steps": 3 if quick else 6}
+    rows = []
+    with tempfile.TemporaryDirectory() as runs_dir:
+        peer = dlab.launch("torch-ddp", WORLD, runs_dir=runs_dir, wait=True, **common)
+        peer_s = median([m["step_time"] for m in peer.metrics(0)[1:]])
+        for label, strategy, options, (dp, pp, tp) in layouts:
+            run = dlab.launch(strategy, WORLD, runs_dir=runs_dir, wait=True, options=options,
+                              **common)
+            last = [run.metrics(r)[-1] for r in range(WORLD)]
+            want = formulas(dp, pp, tp)
+            step_s = max(median([m["step_time"] for m in run.metrics(r)[1:]]) for r in range(WORLD))
+            rows.append(compared(
+                step_s, peer_s, layout=label, strategy=strategy, dp=dp, pp=pp, tp=tp,
+                ranks=WORLD, metric="step_s",
+                params_MB=max(m["memory"]["parameters"] for m in last) / 1e6,
+                params_formula_MB=max(4 * p for p, _ in want) / 1e6,
+                sent_MB=max(m["comm"]["sent_bytes"] for m in last) / 1e6,
+                sent_formula_MB=max(s for _, s in want) / 1e6,
+                activations_MB=max(m["memory"]["activations"] for m in last) / 1e6))
+    return rows
