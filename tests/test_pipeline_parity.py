@@ -64,6 +64,20 @@ def test_pipeline_times_data_parallel_matches_single(name, pipeline_runs, refere
         assert m["comm_by_op"]["all_reduce"]["calls"] >= 1
 
 
+@pytest.mark.parametrize("name,k", [("zbv", 0), ("interleaved", 3)])
+def test_receives_posted_at_the_action_or_ahead_train_like_single(name, k, runs_dir, reference):
+    """``recv_ahead`` moves only when a receive is posted, never what it receives: the naive
+    k=0 and a deep k=3 train exactly like ``single``, and each rank counts its k posted
+    receive buffers (fp32 boundary activations, batch/m x seq x d) as communication buffers."""
+    run = dlab.launch(f"pipeline-{name}", 4, runs_dir=runs_dir, wait=True, save_final=True,
+                      options={"recv_ahead": k}, **PIPE_GPT)
+    assert_same_training(run, reference(**PIPE_GPT))
+    mo = PIPE_GPT["model_options"]
+    boundary = PIPE_GPT["batch_size"] // 4 * mo["seq_len"] * mo["d_model"] * 4
+    for r in range(4):
+        assert run.metrics(r)[-1]["memory"]["comm_buffers"] == k * boundary
+
+
 def test_stages_balanced_by_measured_time_train_like_single(runs_dir, reference):
     """``balance="time"``: rank 0 times every block and broadcasts the split; whatever split the
     timings give, the training is the same."""
@@ -100,6 +114,7 @@ def test_tied_embedding_is_held_by_first_and_last_stage(pipeline_runs):
     ({"microbatches": 2}, 4, "multiple of 4"),  # interleaved needs m % p == 0
     ({"virtual_stages": 4}, 4, "n_layer >= 16"),
     ({"micro_batches": 4}, 2, "unknown option"),
+    ({"recv_ahead": -1}, 2, "recv_ahead must be a whole number >= 0"),
 ])
 def test_bad_configs_are_refused_before_start(options, world, match, runs_dir):
     name = "pipeline-interleaved" if "virtual_stages" in options or options.get("microbatches") == 2 \
@@ -109,3 +124,19 @@ def test_bad_configs_are_refused_before_start(options, world, match, runs_dir):
     with pytest.raises(ConfigError, match="m=1"):
         dlab.launch("pipeline-naive", 2, runs_dir=runs_dir, options={"microbatches": 2}, **PIPE_GPT)
     assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
+def test_receives_posted_ahead_are_refused_on_nccl():
+    """A posted NCCL receive holds the stream the next send to that peer needs: two ranks that
+    each post a receive first would wait on each other, so NCCL defaults to recv_ahead=0 and
+    refuses more; Gloo defaults to 1."""
+    from dlab.config import RunConfig
+    from dlab.parallel import get
+
+    cls = get("pipeline-1f1b")
+    config = lambda **kw: RunConfig(strategy="pipeline-1f1b", world_size=2, **kw, **PIPE_GPT)  # noqa: E731
+    assert cls.recv_ahead(config(backend="gloo")) == 1
+    assert cls.recv_ahead(config(backend="nccl")) == 0
+    assert not any("recv_ahead" in p for p in cls.problems(config(backend="nccl")))
+    refused = cls.problems(config(backend="nccl", options={"recv_ahead": 2}))
+    assert any("recv_ahead=2 can deadlock on NCCL" in p for p in refused), refused

@@ -162,3 +162,42 @@ def test_replay_of_a_timeline_reproduces_it(name):
     key = lambda e: (e["rank"], e["kind"], e["stage"], e["mb"])  # noqa: E731
     for a, b in zip(sorted(original, key=key), sorted(again, key=key), strict=True):
         assert (a["start"], a["end"]) == pytest.approx((b["start"], b["end"]))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
+def test_replay_at_each_ops_own_time_reproduces_a_timeline(name):
+    from dlab.parallel.pipeline.simulate import replay_ops
+
+    v = 2 if name in ("interleaved", "zbv") else 1
+    s = schedules.build(name, 4, 8, v)
+    original = [dict(e, start=e["start"] + 5.0, end=e["end"] + 5.0)
+                for e in simulate(s, t_f=1.0, t_b=2.0, t_w=0.5)]
+    key = lambda e: (e["rank"], e["kind"], e["stage"], e["mb"])  # noqa: E731
+    for a, b in zip(sorted(original, key=key), sorted(replay_ops(s, original), key=key), strict=True):
+        assert (a["start"], a["end"]) == pytest.approx((b["start"], b["end"]))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbv"])
+def test_jitter_around_the_same_mean_adds_bubble(name):
+    """Every op's time drawn from U(0.5, 1.5) x its unit time (seeded): on average the mean-time
+    replay still gives the closed form, but each rank now waits for its slower neighbour, so
+    the bubble at each op's own time is larger."""
+    import random
+
+    from dlab.parallel.pipeline.simulate import bubble_of_ops, replay
+
+    v = 2 if name == "zbv" else 1
+    s = schedules.build(name, 4, 8, v)
+    unit = simulate(s)
+    rng = random.Random(0)
+    at_ops, at_means = [], []
+    for _ in range(20):
+        durations = {(e["kind"], e["stage"], e["mb"]): (e["end"] - e["start"]) * rng.uniform(0.5, 1.5)
+                     for e in unit if e["kind"] in ("forward", "backward", "weight_grad")}
+        jittered = simulate(s, durations=durations)
+        assert bubble_of_ops(s, jittered) == pytest.approx(bubble(jittered))
+        at_ops.append(bubble(jittered))
+        at_means.append(bubble(replay(s, jittered)))
+    formula = bubble(unit)
+    assert sum(at_means) / 20 == pytest.approx(formula, abs=0.02)
+    assert sum(at_ops) / 20 > formula + 0.03, (sum(at_ops) / 20, formula)

@@ -1,8 +1,12 @@
 """``python -m dlab bench pipeline``: every schedule at 2 and 4 stages and 1..16 micro-batches.
 
 Per configuration: the bubble measured from the timeline (steps after the first) beside the
-closed form (``dlab.estimate.pipeline.bubble``, unit times) and beside the simulation of the
-same action lists with the op times measured in that run; every rank's activation peak, and
+closed form (``dlab.estimate.pipeline.bubble``, unit times), the simulation of the same action
+lists at the mean op times measured in that run (``simulated``), and at each op's own measured
+time (``sim_ops``: what the op-time jitter alone costs; the rest of the measured excess is
+communication and dispatch, see ``simulate.py``); the bubble measured again with every
+receive posted only when the schedule reaches it (``bubble_k0``, option ``recv_ahead=0``,
+against the default of one receive posted ahead); every rank's activation peak, and
 the busiest rank's beside its in-flight count times one micro-batch's activations (measured by
 the naive pipeline, m = 1, on the same stages; for the zero-bubble schedules the excess is what
 pending weight gradients keep: the weight matmuls' inputs and output gradients); the median
@@ -56,15 +60,15 @@ def _v(name: str) -> int:
     return 2 if name in ("interleaved", "zbv") else 1
 
 
-def measure(name: str, p: int, m: int, runs_dir: str) -> dict:
+def measure(name: str, p: int, m: int, runs_dir: str, recv_ahead: int = 1) -> dict:
     """One dlab run: bubble, the timeline (steps after the first), activation peaks per rank,
     median step time."""
     import dlab
     from dlab.parallel.pipeline.simulate import bubble
 
+    options = {"recv_ahead": recv_ahead} | ({"microbatches": m} if name != "naive" else {})
     run = dlab.launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=STEPS,
-                      batch_size=m, model="gpt", model_options=MODEL,
-                      options={"microbatches": m} if name != "naive" else {})
+                      batch_size=m, model="gpt", model_options=MODEL, options=options)
     events = [e for e in run.timeline() if "stage" in e and e["step"] > 0]
     metrics = [run.metrics(r) for r in range(p)]
     return {
@@ -79,7 +83,7 @@ def run(quick: bool = False) -> list[dict]:
     from dlab import spawn
     from dlab.estimate import pipeline as est
     from dlab.parallel.pipeline import schedules
-    from dlab.parallel.pipeline.simulate import bubble, replay
+    from dlab.parallel.pipeline.simulate import bubble, bubble_of_ops, replay
 
     rows, unit = [], {}
     with tempfile.TemporaryDirectory() as runs_dir:
@@ -88,13 +92,15 @@ def run(quick: bool = False) -> list[dict]:
             got = measure(name, p, m, runs_dir)
             if name == "naive":
                 unit[p] = got["activations"]
-            simulated = bubble(replay(schedules.build(name, p, m, v), got["events"]))
+            sched = schedules.build(name, p, m, v)
             formula = est.bubble(name, p, m, v)
             peak_rank = max(range(p), key=lambda r: got["activations"][r])
             row = {"schedule": name, "p": p, "m": m, "v": v,
                    "bubble": round(got["bubble"], 3),
                    "formula": round(formula, 3) if formula is not None else "",
-                   "simulated": round(simulated, 3),
+                   "simulated": round(bubble(replay(sched, got["events"])), 3),
+                   "sim_ops": round(bubble_of_ops(sched, got["events"]), 3),
+                   "bubble_k0": round(measure(name, p, m, runs_dir, recv_ahead=0)["bubble"], 3),
                    "act_MiB": round(got["activations"][peak_rank] / 2 ** 20, 2),
                    "act_by_rank_MiB": "/".join(f"{a / 2 ** 20:.1f}" for a in got["activations"])}
             if p in unit:

@@ -14,6 +14,18 @@ The executor knows nothing of GPipe or 1F1B; it walks ``schedule.actions[rank]``
   send never blocks the schedule; ``recv`` blocks until the tensor is here. ``simulate.py``
   models exactly this, which is how ``validate`` proves a list cannot deadlock.
 
+Receives posted ahead (``recv_ahead`` = k). A point-to-point transfer moves only once both
+sides have posted: on Gloo's TCP transport the receiver announces its buffer and the sender's
+I/O thread then writes the bytes. Posting each ``irecv`` only when the schedule reaches it puts
+that handshake and the copy on the critical path of every receive, while the receiving rank
+sits idle. With k > 0 the executor keeps the next k receives of its list posted, so the
+transfer runs in the I/O threads while the rank computes, and the ``recv`` action only waits
+for what is still missing (MPI's "post receives early"; Megatron-LM overlaps its pipeline p2p
+the same way). It still *waits* at the same point of the list, so ``validate``'s no-deadlock
+proof holds unchanged; the cost is k extra boundary buffers. Not on NCCL: there a posted
+receive occupies the stream that the next send to the same peer must also use, and two ranks
+that each post a receive before their send wait on each other forever.
+
 Every message carries a tag naming (sender stage, micro-batch, direction), so a receive can
 never take another message of the same shape by mistake. Neighbouring stages on the same rank
 (the V's turn) hand tensors over in memory, with no action in the list.
@@ -40,15 +52,27 @@ def tag(sender: int, mb: int, receiver: int, n_stages: int) -> int:
 class Executor:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageModule], comm: Comm,
                  timeline: Timeline, meter: ActivationMeter, store: WeightGradStore | None,
-                 device: torch.device):
+                 device: torch.device, recv_ahead: int = 0):
         """``rank`` is this rank's position in its pipeline; ``comm`` counts traffic on the
-        pipeline's process group (whose rank i holds pipeline position i)."""
+        pipeline's process group (whose rank i holds pipeline position i); ``recv_ahead``
+        receives are kept posted before the actions that need them (0: post at the action)."""
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.comm, self.tl, self.meter, self.store, self.device = comm, timeline, meter, store, device
         self.last = schedule.n_stages - 1
+        self.recv_ahead = recv_ahead
+        self.recvs = [a for a in schedule.actions[rank] if a.kind == "recv"]
 
     def _local(self, stage: int) -> bool:
         return 0 <= stage <= self.last and self.schedule.stage_rank[stage] == self.rank
+
+    def _post_recv(self, a, act_shape: tuple[int, ...]):
+        """Post the receive of action ``a``; returns (work, buffer)."""
+        sched = self.schedule
+        buf = torch.empty(act_shape, device=self.device)
+        src = dist.get_global_rank(self.comm.group, sched.stage_rank[a.peer])
+        self.comm.record("recv", nbytes(buf), 0, nbytes(buf))
+        work = dist.irecv(buf, src, group=self.comm.group, tag=tag(a.peer, a.mb, a.stage, sched.n_stages))
+        return work, buf
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor],
             act_shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -59,6 +83,9 @@ class Executor:
         outbox: dict[tuple, torch.Tensor] = {}
         saved: dict[tuple, tuple] = {}
         sends: list = []
+        # receives in list order; posted[j] is the j-th one's (work, buffer) once posted
+        posted = [self._post_recv(r, act_shape) for r in self.recvs[: self.recv_ahead]]
+        done = 0
         loss_sum = None
         for a in sched.actions[self.rank]:
             s, i = a.stage, a.mb
@@ -96,12 +123,13 @@ class Executor:
                     self.comm.record("send", nbytes(t), nbytes(t), 0)
                     sends.append((dist.isend(t, dst, group=self.comm.group,
                                              tag=tag(s, i, a.peer, sched.n_stages)), t))
-                else:  # recv
-                    buf = torch.empty(act_shape, device=self.device)
-                    src = dist.get_global_rank(self.comm.group, sched.stage_rank[a.peer])
-                    self.comm.record("recv", nbytes(buf), 0, nbytes(buf))
-                    dist.irecv(buf, src, group=self.comm.group,
-                               tag=tag(a.peer, i, s, sched.n_stages)).wait()
+                else:  # recv: this one and the next recv_ahead are posted, this one waited for
+                    while len(posted) < min(done + 1 + self.recv_ahead, len(self.recvs)):
+                        posted.append(self._post_recv(self.recvs[len(posted)], act_shape))
+                    work, buf = posted[done]
+                    posted[done] = None
+                    done += 1
+                    work.wait()
                     inbox[(s, i, "act" if a.peer < s else "grad")] = buf
         for work, _ in sends:
             work.wait()

@@ -9,7 +9,15 @@ rank waits for.
 
 Default times are units: a forward 1, an input-gradient backward 1, a weight gradient 1 (so
 a whole backward is 2, the usual 2:1 ratio). A rank with v virtual stages does 1/v of the work
-per stage, so stage times scale by p / n_stages.
+per stage, so stage times scale by p / n_stages. ``durations`` instead gives every op its own
+time, keyed ``(kind, stage, mb)``: how ``replay_ops`` re-runs a measured step.
+
+Three bubbles, each adding one thing the one before leaves out: the closed form (equal unit
+times, free communication: ``dlab.estimate.pipeline.bubble``), ``replay`` at the mean measured
+op times (the same when stages are balanced), ``replay_ops`` at each op's own measured time
+(adds the jitter: in a pipeline a rank waits for the slower of its neighbours, so op times that
+scatter around one mean make idle time that no mean shows), and the measured timeline (adds
+what communication and the dispatch between actions cost).
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ def op_time(schedule: Schedule, kind: str, t_f: float, t_b: float, t_w: float) -
 
 
 def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0,
-             t_comm: float = 0.0) -> list[dict]:
+             t_comm: float = 0.0, durations: dict[tuple, float] | None = None) -> list[dict]:
     sr = schedule.stage_rank
     p = schedule.p
     pc = [0] * p
@@ -52,7 +60,8 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float 
                     break
                 start = max(clock[r], ready) if a.kind != "recv" else clock[r]
                 if a.kind in COMPUTE:
-                    end = start + op_time(schedule, a.kind, t_f, t_b, t_w)
+                    end = start + (durations[(a.kind, a.stage, a.mb)] if durations is not None
+                                   else op_time(schedule, a.kind, t_f, t_b, t_w))
                     if a.kind == "forward":
                         f_end[(a.stage, a.mb)] = end
                         if a.stage < last and sr[a.stage + 1] == r:
@@ -145,6 +154,25 @@ def replay(schedule: Schedule, events: list[dict], t_comm: float = 0.0) -> list[
     sim = simulate(schedule, t["forward"] * v, t_b * v, t_w * v, t_comm)
     t0 = min(e["start"] for e in events if e["kind"] in COMPUTE)
     return [dict(e, start=e["start"] + t0, end=e["end"] + t0) for e in sim]
+
+
+def replay_ops(schedule: Schedule, events: list[dict]) -> list[dict]:
+    """The simulation of ``schedule`` with every computation taking exactly the time it took in
+    ``events`` (one step of one pipeline) and communication free, shifted to start when the
+    measured step starts."""
+    durations = {(e["kind"], e["stage"], e["mb"]): e["end"] - e["start"]
+                 for e in events if e["kind"] in COMPUTE}
+    sim = simulate(schedule, durations=durations)
+    t0 = min(e["start"] for e in events if e["kind"] in COMPUTE)
+    return [dict(e, start=e["start"] + t0, end=e["end"] + t0) for e in sim]
+
+
+def bubble_of_ops(schedule: Schedule, events: list[dict]) -> float:
+    """Mean over the steps in ``events`` of the bubble of ``replay_ops``: the bubble this
+    schedule would have had with these very op times and free communication."""
+    steps = sorted({e.get("step", 0) for e in events if e["kind"] in COMPUTE})
+    return sum(bubble(replay_ops(schedule, [e for e in events if e.get("step", 0) == s]))
+               for s in steps) / len(steps)
 
 
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "weight_grad": "#55A868",

@@ -18,6 +18,10 @@
   schedule each gradient is averaged over the d replicas.
 - ``balance``: ``"params"`` (default: blocks dealt out by parameter count) or ``"time"``
   (measured forward+backward time of each block on rank 0, broadcast to all).
+- ``recv_ahead`` (k, default 1 on Gloo, 0 on NCCL): receives kept posted ahead of the action
+  that waits for them, so activations and gradients cross while the rank computes; 0 posts each
+  receive when the schedule reaches it (the naive way, kept to show the difference). Refused
+  above 0 on NCCL (see ``executor.py``).
 
 The tied embedding/head matrix lives on the first and on the last stage; its two gradients are
 summed across those two ranks after the schedule, as Megatron-LM does (see ``split.py``), so
@@ -25,6 +29,8 @@ both copies take the same optimizer step. On the V-schedule both stages are on r
 autograd sums the two uses itself.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -42,7 +48,7 @@ from dlab.parallel.pipeline.weight_grad import WeightGradStore, split_linears
 from dlab.parallel.tensor.model import TensorParallelGPT
 from dlab.parallel.tensor.strategy import gather_shards, model_split_problems
 
-OPTIONS = ("microbatches", "virtual_stages", "dp", "tp", "balance")
+OPTIONS = ("microbatches", "virtual_stages", "dp", "tp", "balance", "recv_ahead")
 
 
 class Pipeline(Strategy):
@@ -51,6 +57,10 @@ class Pipeline(Strategy):
     default_v = 1
 
     # --- configuration --------------------------------------------------------------------
+    @staticmethod
+    def recv_ahead(config) -> int:
+        return config.options.get("recv_ahead", 0 if config.resolved_backend() == "nccl" else 1)
+
     @classmethod
     def layout(cls, config) -> tuple[int, int, int, int, int]:
         """(p, d, t, m, v) from the config's options."""
@@ -88,6 +98,12 @@ class Pipeline(Strategy):
         if config.batch_size % (d * m):
             out.append(f"batch_size={config.batch_size} must split into dp={d} replicas of "
                        f"microbatches={m} equal micro-batches: use a multiple of {d * m}")
+        k = cls.recv_ahead(config)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            out.append(f"option recv_ahead must be a whole number >= 0 (got {k!r})")
+        elif k > 0 and config.resolved_backend() == "nccl":
+            out.append(f"recv_ahead={k} can deadlock on NCCL (a posted receive holds the stream a "
+                       f"send to the same peer needs); use recv_ahead=0 with NCCL, or backend='gloo'")
         if config.options.get("balance", "params") not in ("params", "time"):
             out.append(f"balance must be 'params' or 'time' (got {config.options['balance']!r})")
         try:
@@ -138,7 +154,8 @@ class Pipeline(Strategy):
                 split_linears(st, self.store)
         self.tied_comm = self._tied_group(model)
         self.executor = Executor(self.sched, self.pp_rank, self.stages, self.mesh.comm("pp"),
-                                 ctx.timeline, self.meter, self.store, ctx.device)
+                                 ctx.timeline, self.meter, self.store, ctx.device,
+                                 recv_ahead=self.recv_ahead(cfg))
         mc = cfg.model_config()
         self.act_shape = (cfg.batch_size // (d * m), mc.seq_len, mc.d_model)
 
@@ -195,7 +212,10 @@ class Pipeline(Strategy):
     def memory(self):
         mem = model_state_memory(self.params, self.optimizer)
         mem["activations"] = self.meter.peak
-        mem["comm_buffers"] = 0
+        # receives posted ahead: buffers not yet handed to a stage (once they are, they are
+        # that stage's saved input and count as activations)
+        ahead = min(self.recv_ahead(self.ctx.config), len(self.executor.recvs))
+        mem["comm_buffers"] = ahead * math.prod(self.act_shape) * 4  # fp32 boundary tensors
         return mem
 
     def full_state_dict(self):
