@@ -129,13 +129,15 @@ def test_bad_configs_are_refused_before_start(options, world, match, runs_dir):
 def test_receives_posted_ahead_are_refused_on_nccl():
     """A posted NCCL receive holds the stream the next send to that peer needs: two ranks that
     each post a receive first would wait on each other, so NCCL defaults to recv_ahead=0 and
-    refuses more; Gloo defaults to 1."""
+    refuses more; Gloo defaults to one per receive stream, 2 x the stages per rank."""
     from dlab.config import RunConfig
     from dlab.parallel import get
 
     cls = get("pipeline-1f1b")
     config = lambda **kw: RunConfig(strategy="pipeline-1f1b", world_size=2, **kw, **PIPE_GPT)  # noqa: E731
-    assert cls.recv_ahead(config(backend="gloo")) == 1
+    assert cls.recv_ahead(config(backend="gloo")) == 2
+    assert get("pipeline-interleaved").recv_ahead(config(backend="gloo")) == 4
+    assert get("pipeline-zbv").recv_ahead(config(backend="gloo")) == 4
     assert cls.recv_ahead(config(backend="nccl")) == 0
     assert not any("recv_ahead" in p for p in cls.problems(config(backend="nccl")))
     refused = cls.problems(config(backend="nccl", options={"recv_ahead": 2}))
