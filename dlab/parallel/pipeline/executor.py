@@ -22,9 +22,10 @@ sits idle. With k > 0 the executor keeps the next k receives of its list posted,
 transfer runs in the I/O threads while the rank computes, and the ``recv`` action only waits
 for what is still missing (MPI's "post receives early"; Megatron-LM overlaps its pipeline p2p
 the same way). It still *waits* at the same point of the list, so ``validate``'s no-deadlock
-proof holds unchanged; the cost is k extra boundary buffers (``strategy.py`` says which k). Not on NCCL: there a posted
-receive occupies the stream that the next send to the same peer must also use, and two ranks
-that each post a receive before their send wait on each other forever.
+proof holds unchanged; the cost is k extra boundary buffers (``strategy.py`` says which k).
+Not on NCCL: there a posted receive occupies the stream that the next send to the same peer
+must also use, and two ranks that each post a receive before their send wait on each other
+forever.
 
 Every message carries a tag naming (sender stage, micro-batch, direction), so a receive can
 never take another message of the same shape by mistake. Neighbouring stages on the same rank
