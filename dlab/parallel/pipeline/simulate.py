@@ -151,9 +151,7 @@ def replay(schedule: Schedule, events: list[dict], t_comm: float = 0.0) -> list[
         t_b, t_w = t["backward"], t["weight_grad"]
     else:
         t_b = t_w = t["backward"] / 2
-    sim = simulate(schedule, t["forward"] * v, t_b * v, t_w * v, t_comm)
-    t0 = min(e["start"] for e in events if e["kind"] in COMPUTE)
-    return [dict(e, start=e["start"] + t0, end=e["end"] + t0) for e in sim]
+    return _starting_with(events, simulate(schedule, t["forward"] * v, t_b * v, t_w * v, t_comm))
 
 
 def replay_ops(schedule: Schedule, events: list[dict]) -> list[dict]:
@@ -162,7 +160,11 @@ def replay_ops(schedule: Schedule, events: list[dict]) -> list[dict]:
     measured step starts."""
     durations = {(e["kind"], e["stage"], e["mb"]): e["end"] - e["start"]
                  for e in events if e["kind"] in COMPUTE}
-    sim = simulate(schedule, durations=durations)
+    return _starting_with(events, simulate(schedule, durations=durations))
+
+
+def _starting_with(events: list[dict], sim: list[dict]) -> list[dict]:
+    """``sim`` shifted to start when the measured step in ``events`` starts computing."""
     t0 = min(e["start"] for e in events if e["kind"] in COMPUTE)
     return [dict(e, start=e["start"] + t0, end=e["end"] + t0) for e in sim]
 
