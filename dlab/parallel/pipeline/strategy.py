@@ -23,9 +23,10 @@
   receive when the schedule reaches it (the naive way, kept to show the difference). A rank
   with v stages receives on 2v streams (activations into each stage, gradients from the next),
   whose messages land in another order than the list consumes them; 2v posted ahead keeps
-  about one posted per stream, so whichever arrives next finds its buffer. Measured on 2 ranks
-  (interleaved, m = 16): bubble 0.17 at k = 0 and 1, 0.08 at k = 2, 0.06 at k = 4 (formula
-  0.03). Refused above 0 on NCCL (see ``executor.py``).
+  about one posted per stream, so whichever arrives next finds its buffer. ``python -m dlab
+  bench pipeline`` sweeps k on 2 ranks at m = 16: 1F1B (2 streams) 0.166, 0.099, 0.092, 0.106
+  at k = 0, 1, 2, 4 (formula 0.059); interleaved (4 streams) 0.143, 0.101, 0.093, 0.072
+  (formula 0.030). Refused above 0 on NCCL (see ``executor.py``).
 
 The tied embedding/head matrix lives on the first and on the last stage; its two gradients are
 summed across those two ranks after the schedule, as Megatron-LM does (see ``split.py``), so
