@@ -1,4 +1,4 @@
-"""Command line: ``python -m dlab run|bench|env|strategies|corpus``."""
+"""Command line: ``python -m dlab run|bench|check|env|strategies|corpus``."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +28,12 @@ def _run(args) -> int:
 def _bench(args) -> int:
     from dlab.bench import run_bench
     return run_bench(args.name, args.json, args.quick)
+
+
+def _check(args) -> int:
+    from dlab.check import main as check
+    return check([*(["--quick"] if args.quick else []), *(["--json", args.json] if args.json else []),
+                  "--runs-dir", args.runs_dir])
 
 
 def _env(args) -> int:
@@ -67,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", help="write the rows to this file")
     b.add_argument("--quick", action="store_true", help="fewer repeats (for a smoke test)")
     b.set_defaults(func=_bench)
+    c = sub.add_parser("check", help="every strategy against single on this machine's devices (GPU or CPU)")
+    c.add_argument("--quick", action="store_true", help="one strategy per family, 2 ranks")
+    c.add_argument("--json", help="write the rows to this file")
+    c.add_argument("--runs-dir", default="runs/check")
+    c.set_defaults(func=_check)
     e = sub.add_parser("env", help="backends, devices, versions and the CPU's matmul peak")
     e.add_argument("--json", action="store_true")
     e.add_argument("--no-measure", action="store_true", help="skip the matmul peak measurement")

@@ -2,9 +2,12 @@
 
 nbval (``--nbval-lax``, as ``make test`` runs it) compares a cell's fresh output with the stored
 one only in cells marked ``# NBVAL_CHECK_OUTPUT``, and a checked cell with nothing stored fails.
-So the stored notebooks keep exactly those outputs: the stable, teaching ones (a formula's
-value, a parity verdict), while every other cell is saved empty, which keeps diffs readable and
-timings or plots of one machine out of the repository. Run this after editing a notebook:
+So the stored notebooks keep those outputs: the stable, teaching ones (a formula's value, a
+parity verdict). Cells tagged ``reference`` keep theirs too: the measured figures of one run on
+the 2-core CI machine, for a learner to compare with their own; they are also tagged
+``nbval-ignore-output``, so nbval runs them without comparing. Every other cell is saved empty,
+and the widgets' saved state is dropped, which keeps diffs readable. Run this after editing a
+notebook:
 
     .venv/bin/python tests/store_notebook_outputs.py notebooks/04_zero_fsdp.ipynb   # or no args: all
 """
@@ -20,6 +23,7 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 CHECK = "NBVAL_CHECK_OUTPUT"
+REFERENCE = "reference"
 
 
 def store(path: Path, timeout: int = 900) -> int:
@@ -31,15 +35,22 @@ def store(path: Path, timeout: int = 900) -> int:
 
 
 def strip(path: Path) -> int:
-    """Keep only checked cells' outputs. nbval refuses a cell with outputs but no execution
-    count ("unrun reference cell"), so a kept cell is numbered by its place among code cells,
-    which is what a run from the top gives it."""
+    """Keep only checked and reference cells' outputs. nbval refuses a cell with outputs but no
+    execution count ("unrun reference cell"), so a kept cell is numbered by its place among code
+    cells, which is what a run from the top gives it."""
     nb = nbformat.read(path, as_version=4)
+    nb.metadata.pop("widgets", None)
     code = [c for c in nb.cells if c.cell_type == "code"]
     kept = 0
     for number, cell in enumerate(code, start=1):
         cell.metadata.pop("execution", None)
-        if CHECK in cell.source:
+        tags = cell.metadata.get("tags", [])
+        if REFERENCE in tags and "nbval-ignore-output" not in tags:
+            cell.metadata["tags"] = [*tags, "nbval-ignore-output"]
+        if CHECK in cell.source or REFERENCE in tags:
+            for out in cell.outputs:  # a widget's view needs its saved state, which is dropped
+                out.get("data", {}).pop("application/vnd.jupyter.widget-view+json", None)
+            cell.outputs = [o for o in cell.outputs if o.get("output_type") == "stream" or o.get("data")]
             kept += 1
             cell.execution_count = number
             for out in cell.outputs:

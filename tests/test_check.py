@@ -1,0 +1,50 @@
+"""``python -m dlab check``: its plan per machine, its comparison, and the command itself in quick
+mode on this CPU machine (what CI can run of the GPU check)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from dlab import check
+
+
+def test_plan_follows_the_gpus_there_are():
+    none = check.plan(["ddp"], gpus=0, quick=False)
+    assert [(c.world_size, c.backend, c.device) for c in none] == [(2, "gloo", "cpu"), (4, "gloo", "cpu")]
+    one = check.plan(["ddp"], gpus=1, quick=True)
+    assert [(c.world_size, c.backend, c.device) for c in one] == [(1, "nccl", "cuda"), (2, "gloo", "cuda")]
+    two = check.plan(["ddp"], gpus=2, quick=False)
+    assert [(c.world_size, c.backend) for c in two] == [(2, "nccl")]  # 4 ranks need 4 GPUs
+    assert check.plan(["ps-async"], 0, True)[0].options == {"max_staleness": 0}
+
+
+def test_compare_sees_a_changed_parameter_a_missing_one_and_a_missing_step():
+    state = {"w": torch.ones(3), "b": torch.zeros(2)}
+    same = check.compare(state, {k: v.clone() for k, v in state.items()}, [1.0, 0.5], [1.0, 0.5])
+    assert same == {"loss_diff": 0.0, "param_diff": 0.0}
+    moved = {"w": torch.tensor([1.0, 1.0, 1.003]), "b": torch.zeros(2)}
+    assert abs(check.compare(moved, state, [1.0], [1.0])["param_diff"] - 3e-3) < 1e-6
+    assert check.compare({"w": state["w"]}, state, [1.0], [1.0])["param_diff"] == float("inf")
+    assert check.compare(state, state, [1.0], [1.0, 0.5])["loss_diff"] == float("inf")
+
+
+def test_check_quick_passes_on_this_machine(tmp_path):
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, "-m", "dlab", "check", "--quick", "--json", str(out),
+                           "--runs-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    if not torch.cuda.is_available():
+        assert report["machine"].startswith("no GPU found")
+    rows = report["strategies"]
+    assert {r["strategy"] for r in rows} == set(check.QUICK)
+    assert all(r["result"] == "ok" for r in rows), rows
+    for r in rows:  # dlab's accounting against the independent formula, where there is one
+        if r["formula_bytes"] is not None:
+            assert r["model_state_bytes"] == r["formula_bytes"], r
+    assert report["allreduce"] and all(b["dlab"] > 0 and b["peer"] > 0 for b in report["allreduce"])
+    assert "passed, 0 failed" in proc.stdout
