@@ -24,7 +24,8 @@ def record_pipeline_run(path, steps: int = 3) -> None:
     for sub in ("metrics", "timeline", "ranks", "logs"):
         (path / sub).mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({"strategy": "pipeline-gpipe", "world_size": 2,
-                                                  "steps": steps}))
+                                                  "steps": steps,
+                                                  "options": {"microbatches": 2}}))
     for r in (0, 1):
         metrics, events = [], []
         for s in range(steps):
