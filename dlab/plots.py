@@ -477,16 +477,40 @@ def compare(runs) -> Figure:
     ax.legend(fontsize=6)
     _style(ax, "memory per rank by category (peak MiB)", "")
 
-    ax = axes[1, 1]
-    width = 0.8 / max(len(s.rows) for s in summaries)
-    for i, s in enumerate(summaries):
-        for j, row in enumerate(s.rows):
-            if row["steps"]:
-                ax.bar(i - 0.4 + (j + 0.5) * width, row["comm_sent_per_step"] / MiB, width,
-                       color="#c44e52", edgecolor="white")
-    ax.set_xticks(range(len(labels)), labels)
-    _style(ax, "MiB sent per step (one bar per rank)", "")
+    sent_per_step_bars(axes[1, 1], runs, summaries, labels)
     return fig
+
+
+def sent_per_step_bars(ax, runs, summaries, labels: list[str]) -> None:
+    """Bytes sent per step, one pair of bars per rank: the ring model ``Comm`` counts (the
+    summary's median) and, hatched beside it where the run has them, the bytes measured on the
+    wire (median over the same steps)."""
+    width = 0.8 / max(len(s.rows) for s in summaries)
+    measured_any = False
+    for i, (run, s) in enumerate(zip(runs, summaries, strict=True)):
+        for j, row in enumerate(s.rows):
+            if not row["steps"]:
+                continue
+            x = i - 0.4 + j * width
+            wire = wire_per_step(run.metrics(row["rank"]))
+            half = width / 2 if wire is not None else width
+            ax.bar(x + half / 2, row["comm_sent_per_step"] / MiB, half, color="#c44e52",
+                   edgecolor="white", label="model (ring)" if (i, j) == (0, 0) else None)
+            if wire is not None:
+                ax.bar(x + 1.5 * half, wire / MiB, half, color="#c44e52", alpha=0.5, hatch="////",
+                       edgecolor="white", label=None if measured_any else "measured (wire)")
+                measured_any = True
+    ax.set_xticks(range(len(labels)), labels)
+    _style(ax, "MiB sent per step (bars per rank)", "")
+    ax.legend(fontsize=6, title=None if measured_any else "wire bytes: not measured",
+              title_fontsize=6)
+
+
+def wire_per_step(records: list[dict]) -> float | None:
+    """Median bytes measured on the wire per step over the steps after the first (the
+    summary's steps), or None where any of them was not measured."""
+    wire = [m["comm"].get("wire_bytes") for m in records[1:] or records]
+    return statistics.median(wire) if wire and None not in wire else None
 
 
 # --- what a collective moves where ------------------------------------------------------------
