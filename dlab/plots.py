@@ -112,7 +112,9 @@ MODEL_STATE = ("parameters", "gradients", "optimizer")
 @dataclass(frozen=True)
 class PipelineLayout:
     """What a pipeline run's config makes of its ranks: the schedule's action lists on p
-    pipeline ranks, d replicas, t tensor-parallel ranks per stage."""
+    pipeline ranks, d replicas, t tensor-parallel ranks per stage; ``name`` is the schedule's
+    name in ``dlab.estimate.pipeline`` (that of the ``pipeline-*`` strategy)."""
+    name: str
     schedule: Schedule
     d: int
     t: int
@@ -159,7 +161,7 @@ def pipeline_layout(config: dict | None) -> PipelineLayout | None:
     cfg, cls = found
     p, d, t, m, v = cls.layout(cfg)
     try:
-        return PipelineLayout(schedules.build(cls.schedule, p, m, v), d, t)
+        return PipelineLayout(cls.schedule, schedules.build(cls.schedule, p, m, v), d, t)
     except ValueError:
         return None
 
@@ -168,7 +170,7 @@ def bubble_formula(layout: PipelineLayout) -> float | None:
     """The schedule's closed-form bubble (``dlab.estimate.pipeline.bubble``) at equal forward,
     input-gradient and weight-gradient times; None where no closed form applies."""
     from dlab.estimate.pipeline import bubble
-    return bubble(layout.schedule.name, layout.p, layout.m, layout.v)
+    return bubble(layout.name, layout.p, layout.m, layout.v)
 
 
 def simulated_bubbles(layout: PipelineLayout, events: list[dict]) -> dict[str, dict[int, float]]:
@@ -280,24 +282,43 @@ def memory_panel(ax, metrics: dict[int, list[dict]], config: dict | None) -> Non
     gradients, optimizer state) ``dlab.estimate`` predicts for that rank, where it has a
     formula for the run's strategy."""
     ranks = sorted(metrics)
-    predicted = {r: model_state(config, r) for r in ranks} if config else {}
-    predicted = {r: state for r, state in predicted.items() if state is not None}
-    width = 0.4 if predicted else 0.8
-    shift = -width / 2 if predicted else 0.0
-    memory_bars(ax, {f"r{r}": peak_memory(metrics[r]) for r in ranks}, offset=shift, width=width)
-    for i, r in enumerate(ranks):
-        if r in predicted:
-            _stack(ax, i + width / 2, predicted[r], width, hatch="////", alpha=0.45, gid="model")
-    ax.set_xticks(range(len(ranks)), [f"r{r}" for r in ranks])
+    modelled = beside_model(ax, {f"r{r}": peak_memory(metrics[r]) for r in ranks},
+                            predicted_states(config, ranks))
     _style(ax, "memory by category (peak MiB)", "rank")
-    if not ranks:
-        return
+    if ranks:
+        memory_legend(ax, modelled, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def predicted_states(config: dict | None, ranks) -> dict[str, dict[str, int]]:
+    """``model_state`` of each rank that has one, keyed like the memory bars ("r0", ...)."""
+    states = {f"r{r}": model_state(config, r) for r in ranks} if config else {}
+    return {label: state for label, state in states.items() if state is not None}
+
+
+def beside_model(ax, memory: dict[str, dict[str, float]], model: dict[str, dict[str, float]],
+                 offset: float = 0.0, legend: bool = True) -> bool:
+    """Measured stacked bars, one per label of ``memory``, at ``offset``, ``offset`` + 1, ...;
+    beside those ``model`` has a label for, hatched, the predicted model state. True if any
+    model bar was drawn."""
+    width = 0.4 if model else 0.8
+    memory_bars(ax, memory, offset=offset - (width / 2 if model else 0.0), width=width, legend=legend)
+    for i, label in enumerate(memory):
+        if label in model:
+            _stack(ax, offset + i + width / 2, model[label], width, hatch="////", alpha=0.45,
+                   gid="model")
+    ax.set_xticks([offset + i for i in range(len(memory))], list(memory))
+    return bool(model)
+
+
+def memory_legend(ax, modelled: bool, **where) -> None:
+    """The categories' colours, and which bars are measured and which the model, if both."""
     from matplotlib.patches import Patch
     handles, _ = ax.get_legend_handles_labels()
-    if predicted:
-        handles += [Patch(facecolor="white", edgecolor="#555555", hatch="////",
+    if modelled:
+        handles += [Patch(facecolor="#bbbbbb", label="solid: measured"),
+                    Patch(facecolor="white", edgecolor="#555555", hatch="////",
                           label="hatched: model state (model)")]
-    ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(handles=handles, fontsize=6, **where)
 
 
 def bytes_panel(ax, metrics: dict[int, list[dict]]) -> None:
@@ -342,13 +363,15 @@ def bubble_panel(ax, events: list[dict], config: dict | None) -> None:
         ax.bar(xs, [100 * values[r] for r in ranks if r in values], width, color=color, label=label)
     formula = bubble_formula(layout) if layout else None
     if formula is not None:
+        # the zero-bubble forms depend on the op times; dlab's are written for equal ones
+        equal = " at t_F = t_B = t_W" if layout.name in ("zb-h1", "zbv") else ""
         ax.axhline(100 * formula, color="#c44e52", ls="--", lw=1.2,
-                   label=f"formula (model): {100 * formula:.1f}%")
+                   label=f"formula (model): {100 * formula:.1f}%{equal}")
     ax.set_xticks(range(len(ranks)), [f"r{r}" for r in ranks])
     tallest = max([100 * x for _, values, _ in columns for x in values.values()]
                   + [100 * formula if formula is not None else 0.0])
     ax.set_ylim(0, 1.2 * tallest or 1.0)  # room above the formula's line
-    what = f": {layout.schedule.name} p={layout.p} m={layout.m}" if layout else ""
+    what = f": {layout.name} p={layout.p} m={layout.m}" if layout else ""
     what += f" v={layout.v}" if layout and layout.v > 1 else ""
     _style(ax, f"bubble (% of step, mean){what}", "rank")
     if layout:
@@ -409,8 +432,10 @@ def _stack(ax, x: float, memory: dict[str, float], width: float, legend: bool = 
     bottom = 0.0
     for c in CATEGORIES:
         value = memory.get(c, 0) / MiB
-        ax.bar(x, value, width, bottom=bottom, color=CATEGORY_COLORS[c],
-               label=c if legend else None, **style)
+        bar = ax.bar(x, value, width, bottom=bottom, color=CATEGORY_COLORS[c],
+                     label=c if legend else None, **style)
+        if bottom:  # matplotlib pins the axis at a bar's base: an empty top segment left no margin
+            bar.patches[0].sticky_edges.y.clear()
         bottom += value
 
 
@@ -466,15 +491,16 @@ def compare(runs) -> Figure:
         _style(ax, title + " - dots: ranks", "")
 
     ax, x = axes[1, 0], 0.0
-    ticks, names = [], []
-    for i, s in enumerate(summaries):
+    ticks, names, modelled = [], [], False
+    for i, (run, s) in enumerate(zip(runs, summaries, strict=True)):
         mem = {f"r{row['rank']}": row["memory"] for row in s.rows if row["steps"]}
-        memory_bars(ax, mem, offset=x, legend=i == 0)
+        modelled |= beside_model(ax, mem, predicted_states(run.config, [row["rank"] for row in s.rows]),
+                                 offset=x, legend=i == 0)
         ticks += [x + j for j in range(len(mem))]
         names += [f"{labels[i]}\n{k}" if j == 0 else k for j, k in enumerate(mem)]
         x += len(mem) + 1
     ax.set_xticks(ticks, names, fontsize=6)
-    ax.legend(fontsize=6)
+    memory_legend(ax, modelled, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=4)
     _style(ax, "memory per rank by category (peak MiB)", "")
 
     sent_per_step_bars(axes[1, 1], runs, summaries, labels)

@@ -94,6 +94,9 @@ def test_memory_panel_shows_the_model_state_beside_the_measured_bars(strategy, t
     measured = run.metrics(0)[-1]["memory"]
     assert want == pytest.approx(sum(measured[k] for k in ("parameters", "gradients", "optimizer")) / MiB)
     assert "hatched: model state (model)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    side_by_side = axes_titled(compare([run]), "memory per rank")
+    model = [p for p in side_by_side.patches if p.get_gid() == "model"]
+    assert max(p.get_y() + p.get_height() for p in model) == pytest.approx(want)
 
 
 def test_a_pipeline_run_has_no_model_state_bars(one_f_one_b):
