@@ -6,7 +6,15 @@ Every function returns a ``matplotlib.figure.Figure`` that is not registered wit
 notebook shows it once (as the cell's value) and never twice, and nothing leaks between cells.
 
 Definitions are those of ``dlab.summary``: step time and tokens/s are medians over the steps
-after the first; memory is each category's peak; bytes moved are what a rank sent per step.
+after the first; memory is each category's peak; bytes are what a rank sent per step, counted
+two ways and named apart: "model (ring)" is ``Comm``'s count of the bandwidth-optimal algorithm
+(``sent_bytes``), "measured (wire)" what the transport wrote (``wire_bytes``, where a run has it).
+
+Theory beside measurement: from the run's config, the memory bars set the model state that
+``dlab.estimate.memory`` predicts beside the measured one, and the bubble panel sets the
+schedule's closed form (``dlab.estimate.pipeline``) and its replay on paper with the run's op
+times (``dlab.parallel.pipeline.simulate``) beside the measured bubble; each is labelled
+"(model)".
 Bubble fraction follows the pipeline papers (GPipe, Huang et al. 2019; 1F1B, Narayanan et al.
 2019): for one step, the window runs from the first compute event on any rank to the last one;
 a rank's bubble is the part of that window in which it computes nothing.
@@ -107,6 +115,8 @@ def is_pipeline(events: list[dict]) -> bool:
 FULL_REPLICA = ("single", "dp-naive", "ddp", "torch-ddp")
 ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
 MODEL_STATE = ("parameters", "gradients", "optimizer")
+BUBBLE_COLORS = {"measured": "#8c8c8c", "simulated (model), measured op times": "#4c72b0",
+                 "simulated (model), mean op times": "#a1c1e6"}
 
 
 @dataclass(frozen=True)
@@ -354,13 +364,12 @@ def bubble_panel(ax, events: list[dict], config: dict | None) -> None:
     ranks = list(measured)
     layout = pipeline_layout(config) if config else None
     sims = simulated_bubbles(layout, events) if layout else {}
-    columns = [("measured", measured, "#8c8c8c")] + [
-        (label, values, color) for (label, values), color in zip(sims.items(), ("#4c72b0", "#a1c1e6"),
-                                                                 strict=False)]
+    columns = {"measured": measured, **sims}
     width = 0.8 / len(columns)
-    for j, (label, values, color) in enumerate(columns):
+    for j, (label, values) in enumerate(columns.items()):
         xs = [i - 0.4 + (j + 0.5) * width for i, r in enumerate(ranks) if r in values]
-        ax.bar(xs, [100 * values[r] for r in ranks if r in values], width, color=color, label=label)
+        ax.bar(xs, [100 * values[r] for r in ranks if r in values], width,
+               color=BUBBLE_COLORS[label], label=label)
     formula = bubble_formula(layout) if layout else None
     if formula is not None:
         # the zero-bubble forms depend on the op times; dlab's are written for equal ones
@@ -368,7 +377,7 @@ def bubble_panel(ax, events: list[dict], config: dict | None) -> None:
         ax.axhline(100 * formula, color="#c44e52", ls="--", lw=1.2,
                    label=f"formula (model): {100 * formula:.1f}%{equal}")
     ax.set_xticks(range(len(ranks)), [f"r{r}" for r in ranks])
-    tallest = max([100 * x for _, values, _ in columns for x in values.values()]
+    tallest = max([100 * x for values in columns.values() for x in values.values()]
                   + [100 * formula if formula is not None else 0.0])
     ax.set_ylim(0, 1.2 * tallest or 1.0)  # room above the formula's line
     what = f": {layout.name} p={layout.p} m={layout.m}" if layout else ""
@@ -381,7 +390,7 @@ def bubble_panel(ax, events: list[dict], config: dict | None) -> None:
 def gantt(ax, events: list[dict], step: int | None = None) -> None:
     """Per-rank timeline of one step (default: the last step every rank finished): one row
     per rank, one bar per event, forward/backward bars labelled with their micro-batch; the
-    legend sits below the axes, clear of the bars."""
+    legend sits right of the axes, clear of the bars."""
     ranks = sorted({e["rank"] for e in events})
     done = [max((e["step"] for e in events if e["rank"] == r and e["kind"] == "step"), default=-1)
             for r in ranks]
@@ -405,8 +414,9 @@ def gantt(ax, events: list[dict], step: int | None = None) -> None:
     present = {e["kind"] for e in shown}
     kinds = [k for k in KIND_COLORS if k in present] + sorted(present - set(KIND_COLORS))
     # Explicit patches: an empty barh() gives the legend a handle without the bars' colour.
+    # Right of the axes, not below: below, a short axes' legend runs into its x label.
     ax.legend(handles=[Patch(color=kind_color(k), label=k) for k in kinds], fontsize=6,
-              loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=min(len(kinds), 5))
+              loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def kind_color(kind: str) -> str:
@@ -434,7 +444,9 @@ def _stack(ax, x: float, memory: dict[str, float], width: float, legend: bool = 
         value = memory.get(c, 0) / MiB
         bar = ax.bar(x, value, width, bottom=bottom, color=CATEGORY_COLORS[c],
                      label=c if legend else None, **style)
-        if bottom:  # matplotlib pins the axis at a bar's base: an empty top segment left no margin
+        # A bar pins the axis limit at its base; stacked, that base can be the top of the
+        # stack, and an empty top segment would then leave no margin above the bar.
+        if bottom:
             bar.patches[0].sticky_edges.y.clear()
         bottom += value
 
