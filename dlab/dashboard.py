@@ -113,7 +113,7 @@ class Dashboard:
     def render(self) -> None:
         if is_pipeline(self.events) and self.figure.get_figheight() < 9:
             self.figure.set_figheight(9)
-        draw_run(self.figure, self.metrics, self.events, self.run.path.name)
+        draw_run(self.figure, self.metrics, self.events, self.run.path.name, self.run.config)
         self.image.value = png(self.figure, self.dpi)
 
     def update(self, force: bool = False) -> None:

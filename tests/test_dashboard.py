@@ -18,13 +18,16 @@ MEMORY = {"parameters": 4000, "gradients": 4000, "optimizer": 8000, "activations
           "comm_buffers": 1000}
 
 
-def record_pipeline_run(path, steps: int = 3) -> None:
+def record_pipeline_run(path, steps: int = 3, wire_bytes: int | None = None) -> None:
     """A finished 2-stage pipeline run written by hand, as ranks write it: rank 0 does forward
-    of micro-batches 0, 1 then their backwards; rank 1 starts 1 s later (the warm-up bubble)."""
+    of micro-batches 0, 1 then their backwards; rank 1 starts 1 s later (the warm-up bubble).
+    ``wire_bytes``: each step's bytes measured on the wire (left out of the records if None, as
+    in runs that could not measure them)."""
     for sub in ("metrics", "timeline", "ranks", "logs"):
         (path / sub).mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({"strategy": "pipeline-gpipe", "world_size": 2,
-                                                  "steps": steps}))
+                                                  "steps": steps,
+                                                  "options": {"microbatches": 2}}))
     for r in (0, 1):
         metrics, events = [], []
         for s in range(steps):
@@ -34,6 +37,8 @@ def record_pipeline_run(path, steps: int = 3) -> None:
                             "memory": MEMORY, "comm": {"calls": 2, "sent_bytes": 2 * 2 ** 20,
                                                        "recv_bytes": 2 * 2 ** 20, "seconds": 0.5},
                             "comm_by_op": {}})
+            if wire_bytes is not None:
+                metrics[-1]["comm"]["wire_bytes"] = wire_bytes
             # rank 0: F0 [0,1] F1 [1,2] ... B1 [4,5] B0 [5,6]; rank 1: F0 [1,2] F1 [2,3] B1 [3,4] B0 [4,5]
             spans = ([("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 1, 4, 5),
                       ("backward", 0, 5, 6)] if r == 0 else
