@@ -35,7 +35,8 @@ def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str
         module = sys.modules[fn.__module__]
         target = {"module": fn.__module__, "file": getattr(module, "__file__", None),
                   "function": fn.__qualname__}
-    from dlab.launch import start_torchrun
+    from dlab.launch import check_runs_dir, start_torchrun
+    check_runs_dir(runs_dir)
     run_dir = RunDir.create(runs_dir, name or "spawn")
     cfg.save(run_dir / "config.json")
     with open(run_dir / "call.pkl", "wb") as f:
