@@ -108,11 +108,13 @@ class RunConfig:
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_restarts < 0:
             p.append("checkpoint_every and max_restarts must be >= 0, keep_checkpoints >= 1")
         if self.resume not in ("", "latest"):
-            from dlab.checkpoint import find
+            from dlab.checkpoint import resume_problems
             try:
-                find(self.resume)
+                p += resume_problems(self, self.resume)
             except FileNotFoundError as e:
                 p.append(f"resume: {e}")
+            except ValueError:  # the model config is wrong: reported on its own above
+                pass
         if self.max_restarts and not self.checkpoint_every:
             p.append("max_restarts without checkpoints restarts from step 0; "
                      "set checkpoint_every (e.g. 5) too")

@@ -158,6 +158,7 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
 
     from dlab import parallel
     from dlab.checkpoint import Checkpointer
+    from dlab.checkpoint import run_meta as checkpoint_meta
     from dlab.comm.instrumented import Comm
     from dlab.parallel.base import Context
     from dlab.timeline import Timeline
@@ -173,7 +174,7 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
     if cfg.checkpoint_every:
         checkpointer = Checkpointer(writer.run / "checkpoints", rank, world, cfg.checkpoint_kind,
                                     cfg.keep_checkpoints, cfg.checkpoint_async,
-                                    meta={"strategy": cfg.strategy})
+                                    meta=checkpoint_meta(cfg))
     dist.barrier()
     t0_wall = timeline.align()
     if attempt or state["step"]:
