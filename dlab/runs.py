@@ -79,9 +79,26 @@ class JsonlTail:
             try:
                 out.append(json.loads(line))
             except (json.JSONDecodeError, UnicodeDecodeError):
+                kept = _record_after_torn_start(line)
+                out += kept
                 warnings.warn(f"{self.path}, line {self.lines}: not a JSON record (a torn write, "
-                              f"e.g. a rank killed mid-line); skipped it", stacklevel=2)
+                              f"e.g. a rank killed mid-line); skipped the torn part"
+                              + (", kept the whole record appended after it" if kept else ""),
+                              stacklevel=2)
         return out
+
+
+def _record_after_torn_start(line: bytes) -> list[dict]:
+    """A restart appends its first record right after the torn bytes, on the same line: the
+    last ``{`` from which the rest of the line parses as one JSON object is that record."""
+    at = line.rfind(b"{", 1)
+    while at > 0:
+        try:
+            obj = json.loads(line[at:])
+            return [obj] if isinstance(obj, dict) else []
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            at = line.rfind(b"{", 1, at)
+    return []
 
 
 class RunDir:
