@@ -45,8 +45,8 @@ def _run(args) -> int:
     _check_json_path(args.json)
     # A terminal's Ctrl-C, coreutils' timeout (SIGTERM), Slurm's cancel (SIGTERM) and a closed
     # terminal (SIGHUP) all stop the run the same way: no process is left behind.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_interrupted)
+    previous = {sig: signal.signal(sig, _raise_interrupted)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         run = launch(**cfg.to_dict(), runs_dir=args.runs_dir, wait=True, progress=True,
                      timeout=args.deadline)
@@ -56,6 +56,9 @@ def _run(args) -> int:
     except TimeoutError as e:
         print(f"\nFAILED: {e}; raise --deadline if the run needs longer", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(run.summary())
     if args.json:
         with open(args.json, "w") as f:

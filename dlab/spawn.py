@@ -23,9 +23,7 @@ from dlab.runs import RunDir
 def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str | Path = "runs",
           name: str = "", timeout: float | None = None, **kwargs) -> list:
     cfg = RunConfig(strategy="call", world_size=world_size, timeout_s=timeout_s)
-    problems = [p for p in cfg._device_problems()]
-    if not isinstance(world_size, int) or world_size < 1:
-        problems.insert(0, f"world_size must be a whole number >= 1 (got {world_size!r})")
+    problems = cfg.field_problems(("world_size", "timeout_s")) or cfg._device_problems()
     if problems:
         from dlab.config import ConfigError
         raise ConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))

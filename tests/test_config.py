@@ -20,7 +20,7 @@ from dlab.config import RunConfig
     ({"model_options": {"d_model": 30, "n_head": 4}}, "d_model=30 does not divide into n_head=4"),
     ({"model_options": {"layers": 2}}, "unknown option"),
     ({"model": "resnet"}, "unknown model 'resnet'"),
-    ({"steps": 0}, "steps must be >= 1"),
+    ({"steps": 0}, "steps must be a whole number >= 1"),
     ({"fault": {"rank": 5, "step": 1, "kind": "raise"}}, "fault rank 5 is not a rank"),
     ({"fault": {"rank": 0, "step": 1, "kind": "explode"}}, "fault kind must be one of"),
 ])

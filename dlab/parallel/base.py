@@ -6,6 +6,7 @@ loop (``dlab.train``) owns the data, timing, metrics and checkpoint cadence.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from dlab import checkpoint, models
 from dlab.comm.instrumented import Comm
-from dlab.config import RunConfig
+from dlab.config import Option, RunConfig
 from dlab.metrics import ActivationMeter, model_state_memory
 from dlab.timeline import Timeline
 
@@ -36,12 +37,33 @@ class Strategy:
     name = ""
     #: world sizes this strategy runs at (None: any)
     world_sizes: tuple[int, ...] | None = None
+    #: the options this strategy takes, by name: the one place they are declared and checked
+    OPTIONS: dict[str, Option] = {}
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.meter: ActivationMeter | None = None
 
     # --- checks (class level: run before any process starts) ------------------------------
+    @classmethod
+    def option_problems(cls, config: RunConfig) -> list[str]:
+        """Unknown option names (with a did-you-mean), then each value's kind and range against
+        ``OPTIONS``. ``RunConfig.problems`` runs these before ``problems``, which may then take
+        every option to be of its declared kind."""
+        if not isinstance(config.options, dict):
+            return [f"options must be a dict of option name -> value (got {config.options!r})"]
+        p = []
+        for key in sorted(config.options, key=str):
+            if key not in cls.OPTIONS:
+                close = difflib.get_close_matches(str(key), list(cls.OPTIONS), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                takes = ", ".join(cls.OPTIONS) or "no options"
+                p.append(f"unknown option {key!r} for strategy {config.strategy!r}; {hint}"
+                         f"it takes {takes}")
+            elif (problem := cls.OPTIONS[key].problem(key, config.options[key])) is not None:
+                p.append(problem)
+        return p
+
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
         if cls.world_sizes is not None and config.world_size not in cls.world_sizes:
