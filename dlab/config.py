@@ -53,6 +53,9 @@ class Option:
             ok = False
         if ok:
             return None
+        if self.kind == "choice":
+            return (f"{label}{name}={value!r} is not one of {list(self.choices)}; {name} must be "
+                    f"one of those: {self.help}")
         return f"{label}{name} must be {self.describe()} (got {value!r}): {self.help}"
 
     def describe(self) -> str:
@@ -63,7 +66,9 @@ class Option:
         if self.kind in ("str", "dict"):
             return ("a string" if self.kind == "str" else "a dict") + (" or None" if self.none_ok else "")
         what = "a whole number" if self.kind == "int" else "a finite number"
-        if self.minimum is not None:
+        if self.kind == "number" and self.minimum == 0 and self.above:
+            what = "a positive finite number"
+        elif self.minimum is not None:
             what += f" {'>' if self.above else '>='} {self.minimum:g}"
         return what + (" or None" if self.none_ok else "")
 

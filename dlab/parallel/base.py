@@ -52,17 +52,14 @@ class Strategy:
         every option to be of its declared kind."""
         if not isinstance(config.options, dict):
             return [f"options must be a dict of option name -> value (got {config.options!r})"]
-        p = []
-        for key in sorted(config.options, key=str):
-            if key not in cls.OPTIONS:
-                close = difflib.get_close_matches(str(key), list(cls.OPTIONS), n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                takes = ", ".join(cls.OPTIONS) or "no options"
-                p.append(f"unknown option {key!r} for strategy {config.strategy!r}; {hint}"
-                         f"it takes {takes}")
-            elif (problem := cls.OPTIONS[key].problem(key, config.options[key])) is not None:
-                p.append(problem)
-        return p
+        unknown = sorted((k for k in config.options if k not in cls.OPTIONS), key=str)
+        if unknown:
+            hints = [f"did you mean {close[0]!r} for {k!r}? " for k in unknown
+                     if (close := difflib.get_close_matches(str(k), list(cls.OPTIONS), n=1))]
+            return [f"unknown option(s) {unknown} for strategy {config.strategy!r}; {''.join(hints)}"
+                    f"it takes {', '.join(cls.OPTIONS) or 'no options'}"]
+        return [problem for key, value in config.options.items()
+                if (problem := cls.OPTIONS[key].problem(key, value)) is not None]
 
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
