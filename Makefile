@@ -1,5 +1,6 @@
 # The two commands a newcomer needs:
-#   make lab    installs everything into .venv and opens JupyterLab on notebooks/
+#   make lab    installs everything into .venv and opens JupyterLab on notebooks/ (as root and on
+#               a headless machine too: it prints the URL to open, token included)
 #   make test   installs everything into .venv and runs every test (pytest, then nbval on notebooks)
 # TORCH picks the torch requirement installed first. The CI machine's pip serves the CPU build of
 # torch==2.13.0; where plain PyPI would pull the multi-GB CUDA build instead, name PyTorch's CPU
@@ -9,6 +10,7 @@ PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+LAB_PORT ?= 8888
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -23,7 +25,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lab: install
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/python -m dlab lab --port $(LAB_PORT)
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q

@@ -1,4 +1,4 @@
-"""Command line: ``python -m dlab run|bench|env|strategies|corpus``."""
+"""Command line: ``python -m dlab run|bench|env|lab|strategies|corpus``."""
 from __future__ import annotations
 
 import argparse
@@ -78,6 +78,11 @@ def _env(args) -> int:
     return 0
 
 
+def _lab(args) -> int:
+    from dlab.lab import main as lab
+    return lab(args.port, args.ip, args.jupyter_args)
+
+
 def _strategies(args) -> int:
     from dlab import parallel
     for name in parallel.names():
@@ -115,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--json", action="store_true")
     e.add_argument("--no-measure", action="store_true", help="skip the matmul peak measurement")
     e.set_defaults(func=_env)
+    lab = sub.add_parser("lab", help="JupyterLab on notebooks/ (as root and headless too); "
+                                     "prints the URL with its token")
+    lab.add_argument("--port", type=int, default=8888)
+    lab.add_argument("--ip", default="127.0.0.1",
+                     help="address to serve on (0.0.0.0 to reach it from outside a container)")
+    lab.add_argument("jupyter_args", nargs=argparse.REMAINDER,
+                     help="further JupyterLab arguments, after --")
+    lab.set_defaults(func=_lab)
     sub.add_parser("strategies", help="list the registered strategies").set_defaults(func=_strategies)
     sub.add_parser("corpus", help="write data/corpus.txt again").set_defaults(func=_corpus)
     args = p.parse_args(argv)

@@ -267,6 +267,7 @@ class Run:
 
     @property
     def state(self) -> str:
+        """running, ok, failed, stopped, interrupted, timeout, or lost (see ``RunDir.status``)."""
         if self.proc is not None and self.proc.poll() is None:
             return "running"
         if self.proc is not None and self._ended_as is None:
@@ -342,6 +343,10 @@ class Run:
         failure = self.failure()
         if failure:
             raise failure
+        if self.state == "lost":
+            raise RuntimeError(f"run {self.path} is lost: its launcher and processes are gone "
+                               f"without a final status (killed with kill -9, or its kernel "
+                               f"died); what it wrote so far is still readable")
         return self
 
     def _a_rank_failed(self) -> bool:
