@@ -18,6 +18,7 @@ import socket
 import sys
 from pathlib import Path
 
+
 def notebooks_dir() -> Path:
     """``notebooks/`` of the current directory (the repository, as ``make lab`` runs it), else
     the one beside this package."""

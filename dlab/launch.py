@@ -220,7 +220,7 @@ def _spawn_loop(requests: queue.Queue) -> None:
         try:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                    preexec_fn=lambda: _die_with(prctl, parent))
+                                    preexec_fn=lambda parent=parent: _die_with(prctl, parent))
             done.put((True, proc))
         except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
             done.put((False, e))

@@ -103,3 +103,5 @@ def test_a_killed_kernel_leaves_no_process(runs_dir, tmp_path):
     for run_dir in runs:
         _workers_gone(run_dir)
         assert dlab.attach(run_dir).state == "lost"
+    with pytest.raises(RuntimeError, match="is lost"):
+        dlab.attach(runs[0]).wait(timeout=30)

@@ -164,6 +164,11 @@ class WholeModel(Strategy):
         checkpoint.load_replica(self.model, self.optimizer, reader)
 
 
+#: the gradient bucket size of PyTorch's DDP and of dlab's ``ddp``
+BUCKET_CAP_MB = Option("number", "MiB per gradient bucket, e.g. 25 (PyTorch's default) or 0.05 "
+                       "for a tiny model", default=25, minimum=0, above=True)
+
+
 def data_parallel_problems(config: RunConfig, dp: int) -> list[str]:
     if config.batch_size % dp:
         return [f"the global batch_size={config.batch_size} does not split evenly over {dp} "

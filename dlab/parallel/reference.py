@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
-from dlab.parallel.base import Option, WholeModel, data_parallel_problems
+from dlab.parallel.base import BUCKET_CAP_MB, WholeModel, data_parallel_problems
 
 
 @register("single")
@@ -48,8 +48,7 @@ class TorchDDP(WholeModel):
     records each bucket's all-reduce on the timeline.
     """
 
-    OPTIONS = {"bucket_cap_mb": Option("number", "MiB per gradient bucket, e.g. 25 (PyTorch's default) or 0.05 for a tiny model",
-                            default=25, minimum=0, above=True)}
+    OPTIONS = {"bucket_cap_mb": BUCKET_CAP_MB}
 
     @classmethod
     def problems(cls, config):

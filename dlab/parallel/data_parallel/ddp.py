@@ -32,8 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dlab.parallel import register
+from dlab.parallel.base import BUCKET_CAP_MB, Option
 from dlab.parallel.data_parallel.buckets import build_buckets
-from dlab.parallel.base import Option
 from dlab.parallel.data_parallel.replica import Replica
 
 MiB = 2 ** 20
@@ -59,8 +59,7 @@ class DistributedDataParallel(Replica):
     """Data parallelism with buckets all-reduced from autograd hooks, overlapping backward."""
 
     OPTIONS = {
-        "bucket_cap_mb": Option("number", "MiB per gradient bucket, e.g. 25 (PyTorch's default) or 0.05 for a tiny model",
-                            default=25, minimum=0, above=True),
+        "bucket_cap_mb": BUCKET_CAP_MB,
         "accumulation": Option("int", "micro-batches per step (gradient accumulation)", default=1,
                                minimum=1),
         "allreduce": Option("choice", "torch.distributed.all_reduce ('backend') or dlab's ring",

@@ -29,8 +29,7 @@ from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import Strategy
 from dlab.parallel.mesh import Mesh
-from dlab.parallel.tensor.strategy import (OPTIONS, all_reduce_grads, tensor_parallel_problems,
-                                          tp_options)
+from dlab.parallel.tensor.strategy import OPTIONS, all_reduce_grads, tensor_parallel_problems, tp_options
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

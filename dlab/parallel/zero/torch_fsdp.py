@@ -29,7 +29,6 @@ from dlab.parallel.zero.flat import unit_modules
 from dlab.parallel.zero.sharded import BOOL_OPTIONS
 
 
-
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
