@@ -101,7 +101,7 @@ def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | N
         return None
 
     def own_error(rep: dict) -> bool:
-        if rep.get("in_collective"):  # the watchdog found it waiting on a peer
+        if rep.get("in_torch"):  # its watchdog found it inside torch: maybe waiting on a peer
             return False
         text = f"{rep.get('exception', '')} {rep.get('message', '')}".lower()
         return not any(p in text for p in PEER_GONE)

@@ -8,9 +8,13 @@ step in progress (``state["step"]``, set by the training loop): when one step ha
 than ``timeout_s`` it writes the rank's report, with where the main thread is stuck (its
 stack), and ends the process, which makes torchrun end the run.
 
-When the main thread is inside ``torch.distributed`` the collective's own deadline comes
-first and gives the better error; the watchdog then waits a second deadline as a backstop and
-marks its report ``in_collective`` (a symptom, for ``dlab.diagnose``).
+When the main thread is inside torch (its innermost Python frame is torch's), it may be
+waiting on a collective - explicitly, or inside backward, where DDP's reducer waits for its
+bucket all-reduces with no Python frame of ``torch.distributed`` on the stack. That
+collective's own deadline comes first and gives the better error, so the watchdog then waits a
+second deadline as a backstop and marks its report ``in_torch`` (a symptom for
+``dlab.diagnose``, not a cause). Stuck in the user's or dlab's own Python code, the rank is the
+cause, and it reports at the first deadline, before the peers waiting for it.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import time
 import traceback
 
 POLL_S = 0.1
+BACKSTOP_FACTOR, BACKSTOP_EXTRA_S = 2, 5.0  # inside torch: 2 x the deadline + 5 s
 
 
 class StepWatchdog:
@@ -29,6 +34,8 @@ class StepWatchdog:
         self.state, self.deadline_s, self.writer, self.rank = state, deadline_s, writer, rank
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
+        import torch
+        self._torch_dir = os.path.dirname(torch.__file__) + os.sep
 
     def start(self) -> StepWatchdog:
         threading.Thread(target=self._watch, name="dlab-step-watchdog", daemon=True).start()
@@ -48,18 +55,20 @@ class StepWatchdog:
                 continue
             ran = time.monotonic() - since
             frames = self._main_stack()
-            in_collective = any(_is_collective(f.filename) for f in frames)
-            limit = self.deadline_s * (2 if in_collective else 1) + (5 if in_collective else 0)
+            in_torch = bool(frames) and frames[-1].filename.startswith(self._torch_dir)
+            limit = (self.deadline_s * BACKSTOP_FACTOR + BACKSTOP_EXTRA_S if in_torch
+                     else self.deadline_s)
             if ran > limit:
-                self._fire(step, ran, frames, in_collective)
+                self._fire(step, ran, frames, in_torch)
 
     def _main_stack(self) -> list[traceback.FrameSummary]:
         frame = sys._current_frames().get(self._main)
         return traceback.extract_stack(frame) if frame is not None else []
 
-    def _fire(self, step: int, ran: float, frames, in_collective: bool) -> None:
+    def _fire(self, step: int, ran: float, frames, in_torch: bool) -> None:
         where = _where(frames)
-        place = "inside a collective" if in_collective else "outside any collective"
+        place = ("inside torch (waiting on a collective, or an operation that never returned)"
+                 if in_torch else "outside any collective")
         # The message avoids the words dlab.diagnose reads as "a peer went away": this rank is
         # the cause unless it is waiting in a collective itself.
         message = (f"step {step} has run {ran:.1f} s, past the run's deadline of "
@@ -72,13 +81,8 @@ class StepWatchdog:
         faulthandler.dump_traceback(all_threads=True)
         self.writer.report(ok=False, step=step, exception="StepDeadline", message=message,
                            traceback="Main thread (most recent call last):\n" + stack, hint=hint,
-                           in_collective=in_collective)
+                           in_torch=in_torch)
         os._exit(1)
-
-
-def _is_collective(filename: str) -> bool:
-    path = filename.replace("\\", "/")
-    return "/torch/distributed/" in path or "/dlab/comm/" in path
 
 
 def _where(frames) -> str:
