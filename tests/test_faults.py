@@ -52,6 +52,7 @@ def test_a_silent_exit_is_reported_with_its_code(runs_dir):
     assert gone_after < 10
 
 
+@pytest.mark.slow  # ~25 s: four ranks
 def test_a_hung_rank_is_named_first_at_the_deadline(runs_dir):
     """Rank 1 stops outside any collective; the others wait for it in their next all-reduce.
     Its step watchdog reports it at the deadline, with where it is stuck, and the error names it

@@ -42,7 +42,11 @@ def _workers_gone(run_dir, within: float = 10.0) -> None:
     assert not left, f"left behind: {[p.info['cmdline'][:4] for p in left]}"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGKILL])
+SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGKILL]
+
+
+@pytest.mark.slow  # ~20-25 s each on a loaded 2-core machine
+@pytest.mark.parametrize("sig", SIGNALS, ids=[s.name for s in SIGNALS])
 def test_cli_killed_by_a_signal_leaves_no_process(sig, runs_dir):
     cli = subprocess.Popen([sys.executable, "-m", "dlab", "run", "torch-ddp", "-n", "2",
                             "--runs-dir", str(runs_dir), *TINY_FLAGS],
@@ -80,6 +84,7 @@ run = dlab.launch("torch-ddp", 2, runs_dir=sys.argv[1], name="watched", dashboar
 """
 
 
+@pytest.mark.slow  # ~40 s: two runs
 def test_a_killed_kernel_leaves_no_process(runs_dir, tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text(textwrap.dedent(KERNEL))
