@@ -1,10 +1,11 @@
 """``dlab.launch``: one call, a real multi-process run under torchrun, and a handle on it.
 
 What dlab adds to torchrun for a notebook: the config is checked before any process starts; a
-free port and a fresh run directory per run (so runs started together never collide); torchrun
-runs in its own process session and every rank dies with it, so an interrupted cell or a
-stopped kernel leaves nothing behind; a run-wide deadline; and the failing rank's traceback
-brought back into the cell.
+free port (retried when a stranger takes it first) and a fresh run directory per run (so runs
+started together never collide); torchrun runs in its own process session and every rank dies
+with it, and torchrun dies with the process that launched it however that process dies (a
+parent-death signal), so an interrupted cell, a killed kernel or a cancelled job leaves nothing
+behind; a run-wide deadline; and the failing rank's traceback brought back into the cell.
 """
 from __future__ import annotations
 
