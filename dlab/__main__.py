@@ -86,8 +86,11 @@ def _lab(args) -> int:
 def _strategies(args) -> int:
     from dlab import parallel
     for name in parallel.names():
-        doc = " ".join((parallel.get(name).__doc__ or "").split("\n\n")[0].split())
+        strategy = parallel.get(name)
+        doc = " ".join((strategy.__doc__ or "").split("\n\n")[0].split())
         print(f"{name:21s} {doc}")
+        for key, option in strategy.OPTIONS.items():
+            print(f"{'':21s}   option {key}: {option.describe()}; {option.help}")
     return 0
 
 

@@ -124,3 +124,11 @@ def test_a_runs_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "runs").write_text("")
     with pytest.raises(dlab.ConfigError, match="is a file, not a directory"):
         dlab.launch("single", 1, runs_dir=tmp_path / "runs", **TINY_GPT)
+
+
+def test_strategies_lists_every_declared_option(capsys):
+    assert main(["strategies"]) == 0
+    out = capsys.readouterr().out
+    for strategy in parallel.names():
+        for key, option in parallel.get(strategy).OPTIONS.items():
+            assert f"option {key}: {option.describe()}; {option.help}" in out
