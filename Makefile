@@ -1,6 +1,9 @@
 # The two commands a newcomer needs:
-#   make lab    installs everything into .venv and opens JupyterLab on notebooks/
-#   make test   installs everything into .venv and runs every test (pytest, then nbval on notebooks)
+#   make lab    installs everything into .venv and opens JupyterLab on notebooks/ (as root and on
+#               a headless machine too: it prints the URL to open, token included)
+#   make test   installs everything into .venv and runs the test suite (pytest, then nbval on the
+#               notebooks); tests marked slow (whole grids, fault drills over ~20 s) are left out:
+#               make test-slow runs them, make test-all runs both
 # TORCH picks the torch requirement installed first. The CI machine's pip serves the CPU build of
 # torch==2.13.0; where plain PyPI would pull the multi-GB CUDA build instead, name PyTorch's CPU
 # index: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -9,10 +12,11 @@ PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+LAB_PORT ?= 8888
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lab test test-fast bench clean
+.PHONY: install lab test test-slow test-all bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,16 +27,18 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lab: install
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/python -m dlab lab --port $(LAB_PORT)
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -m "not slow"
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 		OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax -q notebooks; \
 	fi
 
-test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -m "not slow"
+test-slow: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -m slow
+
+test-all: test test-slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -14,7 +14,12 @@ ShardedTensor layouts; ZeRO's flat, padded shards cut parameters at arbitrary of
   A writer killed midway leaves only a ``.partial-*`` directory, which loading ignores; the
   previous checkpoint stays until the new one is complete; the newest ``keep`` are kept.
 - verification: the manifest lists each file's size and SHA-256; a mismatch is refused with
-  an error naming the file.
+  an error naming the file. The manifest carries its own ``digest``: the SHA-256 of its
+  canonical JSON (sorted keys, no spaces) without that field, so an edited step or file list
+  is refused too. A tensor the pieces do not wholly cover is refused, naming it.
+- what wrote it: the model (``model``, ``model_config``) and the layout (``layout``: strategy,
+  world size, options). A resume into another model is refused before start
+  (``resume_problems``); another layout is fine (that is resharding).
 - safe loading: ``torch.load(weights_only=True)`` - tensors and plain containers only.
 - exact resume: model, optimizer state and hyper-parameters, the step (the data position: the
   global batch is a function of the step) and every rank's RNG state.
@@ -35,11 +40,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-FORMAT = "dlab-checkpoint/1"
+FORMAT = "dlab-checkpoint/2"
 
 
 class CorruptCheckpoint(RuntimeError):
     pass
+
+
+def _digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def run_meta(config) -> dict:
+    """What a checkpoint records of the run that wrote it."""
+    from dataclasses import asdict
+    return {"strategy": config.strategy, "model": config.model,
+            "model_config": asdict(config.model_config()),
+            "layout": {"strategy": config.strategy, "world_size": config.world_size,
+                       "options": config.options}}
 
 
 # --- pieces -----------------------------------------------------------------------------------
@@ -137,6 +156,7 @@ class Checkpointer:
             files.update(json.loads(done.read_text()))
         manifest = {"format": FORMAT, "step": step, "kind": self.kind, "world_size": self.world_size,
                     "files": files, "created": time.time(), **self.meta}
+        manifest["digest"] = _digest(manifest)
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=1))
         for r in writers:
             (partial / f"rank{r}.done").unlink()
@@ -153,23 +173,39 @@ def merge(states: list[dict]) -> dict:
     out["optim"] = {}
     for n in sorted(names):
         keys = {k for s in states for k in s["optim"].get(n, {})}
-        out["optim"][n] = {k: _merge_one([s["optim"][n][k] for s in states if k in s["optim"].get(n, {})])
+        out["optim"][n] = {k: _merge_one([s["optim"][n][k] for s in states if k in s["optim"].get(n, {})],
+                                         f"optim {n}/{k}")
                            for k in keys}
     return out
 
 
 def _merge_section(sections: list[dict]) -> dict:
     names = {n for s in sections for n in s}
-    return {n: _merge_one([s[n] for s in sections if n in s]) for n in sorted(names)}
+    return {n: _merge_one([s[n] for s in sections if n in s], f"params {n}") for n in sorted(names)}
 
 
-def _merge_one(parts: list):
+def _merge_one(parts: list, what: str = "a tensor"):
+    """The whole tensor from its pieces; every element must come from a piece (the buffer is
+    allocated uninitialised, so a gap would otherwise load as garbage)."""
     if isinstance(parts[0], torch.Tensor):  # a replicated scalar such as Adam's step
         return parts[0]
     shape = parts[0]["shape"]
-    full = torch.empty(int(torch.Size(shape).numel()), dtype=parts[0]["data"].dtype)
+    numel = int(torch.Size(shape).numel())
+    full = torch.empty(numel, dtype=parts[0]["data"].dtype)
+    covered = torch.zeros(numel, dtype=torch.bool)
     for p in parts:
-        full[p["start"]:p["start"] + p["data"].numel()] = p["data"]
+        start, n = p["start"], p["data"].numel()
+        if p["shape"] != shape or start < 0 or start + n > numel:
+            raise CorruptCheckpoint(f"{what}: a piece [{start}, {start + n}) of shape {p['shape']} "
+                                    f"does not fit the tensor of shape {shape}; refusing to load it")
+        full[start:start + n] = p["data"]
+        covered[start:start + n] = True
+    if not bool(covered.all()):
+        missing = int((~covered).sum())
+        first = int((~covered).nonzero()[0])
+        raise CorruptCheckpoint(f"{what}: the pieces cover {numel - missing} of {numel} elements "
+                                f"(first missing at flat offset {first}); a piece is missing or "
+                                f"short; refusing to load it")
     return {"shape": shape, "start": 0, "data": full}
 
 
@@ -198,15 +234,62 @@ def find(path: str | Path) -> Path:
     return newest
 
 
+def read_manifest(path: Path) -> dict:
+    """The checkpoint's manifest, its format and digest checked; ``CorruptCheckpoint`` naming
+    the file otherwise."""
+    file = Path(path) / "manifest.json"
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(f"{file}: cannot be read as JSON ({e}); refusing to load it") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CorruptCheckpoint(f"{file}: not a {FORMAT} checkpoint (format {found!r}); save it "
+                                f"again with this dlab")
+    if manifest.get("digest") != _digest(manifest):
+        raise CorruptCheckpoint(f"{file}: its digest does not match its contents (edited or "
+                                f"corrupt); refusing to load it")
+    return manifest
+
+
+def resume_problems(config, path: str | Path) -> list[str]:
+    """Why ``config`` cannot resume from the checkpoint at ``path`` (a checkpoint or a run
+    directory): a manifest that does not verify, another model, or nothing left to run. The
+    layout (strategy, world size, options) may differ: pieces reshard."""
+    where = find(path)
+    try:
+        manifest = read_manifest(where)
+    except CorruptCheckpoint as e:
+        return [f"resume: {e}"]
+    p = []
+    for name in manifest["files"]:
+        if not (where / name).exists():
+            p.append(f"resume: {where / name} is listed in the manifest but missing")
+    if manifest.get("model") != config.model:
+        p.append(f"resume: the checkpoint {where} holds model={manifest.get('model')!r}, this run "
+                 f"model={config.model!r}; use the same model or another checkpoint")
+    else:
+        from dataclasses import asdict
+        theirs, mine = manifest.get("model_config", {}), asdict(config.model_config())
+        differ = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+        if differ:
+            p.append("resume: the checkpoint " + str(where) + " does not fit this model: " + ", ".join(
+                f"checkpoint has {k}={theirs.get(k)!r}, this run {k}={mine.get(k)!r}" for k in differ)
+                + "; set the same model_options or start without resume")
+    step = manifest.get("step", 0)
+    if isinstance(config.steps, int) and step >= config.steps:
+        p.append(f"resume: the checkpoint is at step {step} and steps={config.steps}: nothing to "
+                 f"run; raise steps above {step}")
+    return p
+
+
 class Reader:
     """A verified checkpoint, read at any layout: ``tensor(section, name[, key])`` assembles the
     whole tensor, ``range(...)`` a 1-D run of it, from whichever files hold the pieces."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.manifest = json.loads((self.path / "manifest.json").read_text())
-        if self.manifest.get("format") != FORMAT:
-            raise CorruptCheckpoint(f"{self.path}: not a {FORMAT} checkpoint")
+        self.manifest = read_manifest(self.path)
         self.states = {}
         for name, info in self.manifest["files"].items():
             file = self.path / name
@@ -238,7 +321,8 @@ class Reader:
         return {k for s in self.states.values() for k in s["optim"].get(name, {})}
 
     def tensor(self, section: str, name: str, key: str | None = None) -> torch.Tensor:
-        merged = _merge_one(self._pieces(section, name, key))
+        what = f"{self.path}: {section} {name}{'/' + key if key else ''}"
+        merged = _merge_one(self._pieces(section, name, key), what)
         if isinstance(merged, torch.Tensor):
             return merged
         return merged["data"].view(merged["shape"])

@@ -6,16 +6,83 @@ worker, for runs started by torchrun or Slurm directly). Every message says what
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dlab import models
 
 FAULT_KINDS = ("raise", "kill", "hang", "exit")
+BYTE_VOCAB = 256  # dlab.data feeds bytes: every token id is one of 256 values
 
 
 class ConfigError(ValueError):
     """A run configuration that cannot work; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """A config field or a strategy option: its kind, the values it may take and what it does
+    (``help``, shown when a value is refused). ``kind`` is ``"int"`` (a whole number, not a
+    bool), ``"number"`` (a finite int or float), ``"bool"``, ``"str"``, ``"dict"`` or
+    ``"choice"`` (one of ``choices``); ``minimum`` bounds numbers (``above`` makes it strict);
+    ``none_ok`` lets None through (e.g. "unbounded"). Strategies declare theirs in
+    ``Strategy.OPTIONS``; the run's fields are in ``FIELDS``."""
+
+    kind: str
+    help: str
+    default: object = None
+    minimum: float | None = None
+    above: bool = False
+    choices: tuple = ()
+    none_ok: bool = False
+
+    def problem(self, name: str, value, label: str = "option ") -> str | None:
+        """What is wrong with ``value``, as a sentence saying what to use; None when it fits."""
+        if value is None and self.none_ok:
+            return None
+        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+              "number": isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value),
+              "bool": isinstance(value, bool),
+              "str": isinstance(value, str),
+              "dict": isinstance(value, dict),
+              "choice": value in self.choices if _hashable(value) else False}[self.kind]
+        if ok and self.minimum is not None and (value <= self.minimum if self.above
+                                                else value < self.minimum):
+            ok = False
+        if ok:
+            return None
+        if self.kind == "choice":
+            return (f"{label}{name}={value!r} is not one of {list(self.choices)}; {name} must be "
+                    f"one of those: {self.help}")
+        return f"{label}{name} must be {self.describe()} (got {value!r}): {self.help}"
+
+    def describe(self) -> str:
+        if self.kind == "bool":
+            return "True or False"
+        if self.kind == "choice":
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.kind in ("str", "dict"):
+            return ("a string" if self.kind == "str" else "a dict") + (" or None" if self.none_ok else "")
+        what = "a whole number" if self.kind == "int" else "a finite number"
+        if self.kind == "number" and self.minimum == 0 and self.above:
+            what = "a positive finite number"
+        elif self.minimum is not None:
+            what += f" {'>' if self.above else '>='} {self.minimum:g}"
+        return what + (" or None" if self.none_ok else "")
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -32,7 +99,7 @@ class RunConfig:
     backend: str = "auto"  # auto | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
     threads_per_rank: int = 1
-    timeout_s: float = 60.0  # deadline for rendezvous and for every collective
+    timeout_s: float = 60.0  # deadline for the rendezvous, every collective and every step
     options: dict = field(default_factory=dict)  # strategy-specific, see each strategy's doc
     fault: dict | None = None  # {"rank": r, "step": s, "kind": raise|kill|hang|exit}
     save_final: bool = False  # rank 0 writes the full final parameters to final_state.pt
@@ -69,23 +136,13 @@ class RunConfig:
         return self
 
     def problems(self) -> list[str]:
-        p: list[str] = []
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            p.append(f"world_size must be a whole number >= 1 (got {self.world_size!r})")
-        if not isinstance(self.steps, int) or self.steps < 1:
-            p.append(f"steps must be >= 1 (got {self.steps!r})")
-        if self.batch_size < 1:
-            p.append(f"batch_size (the global batch) must be >= 1 (got {self.batch_size})")
-        if self.optimizer not in ("adam", "sgd"):
-            p.append(f"optimizer must be 'adam' or 'sgd' (got {self.optimizer!r})")
-        if self.timeout_s <= 0:
-            p.append(f"timeout_s must be positive (got {self.timeout_s})")
-        if self.threads_per_rank < 1:
-            p.append(f"threads_per_rank must be >= 1 (got {self.threads_per_rank})")
-        try:
-            p += self.model_config().problems()
-        except ValueError as e:
-            p.append(str(e))
+        """Every reason this config cannot run, each saying what to change. Kinds and ranges of
+        the fields first (``FIELDS``), then the model's options, devices, fault and
+        checkpoints; the strategy's option kinds and its own checks only once those hold."""
+        p = self.field_problems()
+        if p:  # the checks below compare and divide fields, so they need the right kinds
+            return p
+        p += self._model_problems()
         p += self._device_problems()
         p += self._fault_problems()
         p += self._checkpoint_problems()
@@ -99,20 +156,48 @@ class RunConfig:
         if (self.checkpoint_every or self.resume) and not strategy.can_checkpoint():
             return [f"strategy {self.strategy!r} cannot save checkpoints yet; "
                     f"set checkpoint_every=0 and resume=''"]
-        return strategy.problems(self)
+        return strategy.option_problems(self) or strategy.problems(self)
+
+    def field_problems(self, names=None) -> list[str]:
+        """The kind and range of each field in ``names`` (default: all), from ``FIELDS``."""
+        p = [problem for name in (names or FIELDS)
+             if (problem := FIELDS[name].problem(name, getattr(self, name), label="")) is not None]
+        if isinstance(self.name, str) and (names is None or "name" in names):
+            p += _name_problems(self.name)
+        return p
+
+    def _model_problems(self) -> list[str]:
+        try:
+            mc = self.model_config()
+        except (ValueError, TypeError) as e:
+            return [str(e)]
+        p = []
+        for name, value in self.model_options.items():
+            kind = type(mc.__dataclass_fields__[name].default)
+            ok = isinstance(value, bool) if kind is bool else (
+                isinstance(value, int) and not isinstance(value, bool))
+            if not ok:
+                what = "True or False" if kind is bool else "a whole number"
+                p.append(f"model option {name} must be {what} (got {value!r})")
+        if p:
+            return p
+        p += mc.problems()
+        vocab = getattr(mc, "vocab_size", None)
+        if vocab is not None and vocab < BYTE_VOCAB:
+            p.append(f"model option vocab_size={vocab} is smaller than the data's {BYTE_VOCAB} "
+                     f"token values (the corpus is bytes); use vocab_size >= {BYTE_VOCAB}")
+        return p
 
     def _checkpoint_problems(self) -> list[str]:
         p = []
-        if self.checkpoint_kind not in ("sharded", "full"):
-            p.append(f"checkpoint_kind must be 'sharded' or 'full' (got {self.checkpoint_kind!r})")
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_restarts < 0:
-            p.append("checkpoint_every and max_restarts must be >= 0, keep_checkpoints >= 1")
         if self.resume not in ("", "latest"):
-            from dlab.checkpoint import find
+            from dlab.checkpoint import resume_problems
             try:
-                find(self.resume)
+                p += resume_problems(self, self.resume)
             except FileNotFoundError as e:
                 p.append(f"resume: {e}")
+            except ValueError:  # the model config is wrong: reported on its own above
+                pass
         if self.max_restarts and not self.checkpoint_every:
             p.append("max_restarts without checkpoints restarts from step 0; "
                      "set checkpoint_every (e.g. 5) too")
@@ -120,15 +205,11 @@ class RunConfig:
 
     def _device_problems(self) -> list[str]:
         p = []
-        if self.backend not in ("auto", "gloo", "nccl"):
-            p.append(f"backend must be auto, gloo or nccl (got {self.backend!r})")
-        if self.device not in ("auto", "cpu", "cuda"):
-            p.append(f"device must be auto, cpu or cuda (got {self.device!r})")
         gpus = _gpu_count()
         if self.backend == "nccl" and gpus == 0:
             p.append("backend='nccl' needs CUDA GPUs and this machine has none; "
                      "use backend='gloo' (or 'auto')")
-        elif self.backend == "nccl" and gpus < (self.world_size if isinstance(self.world_size, int) else 0):
+        elif self.backend == "nccl" and gpus < self.world_size:
             p.append(f"backend='nccl' needs one GPU per rank: world_size={self.world_size} but "
                      f"{gpus} GPU(s) here; lower world_size or use backend='gloo' "
                      f"(ranks may share a GPU under Gloo)")
@@ -143,13 +224,16 @@ class RunConfig:
             return []
         f = self.fault
         p = []
+        unknown = sorted(set(f) - {"rank", "step", "kind"}, key=str)
+        if unknown:
+            p.append(f"fault takes the keys rank, step and kind (got also {unknown})")
         if f.get("kind") not in FAULT_KINDS:
             p.append(f"fault kind must be one of {FAULT_KINDS} (got {f.get('kind')!r})")
         rank = f.get("rank", 0)
-        if not isinstance(rank, int) or not 0 <= rank < max(self.world_size, 1):
+        if not _whole(rank) or not 0 <= rank < max(self.world_size, 1):
             p.append(f"fault rank {rank!r} is not a rank of this run (0..{self.world_size - 1})")
         step = f.get("step", 0)
-        if not isinstance(step, int) or not 0 <= step < max(self.steps, 1):
+        if not _whole(step) or not 0 <= step < max(self.steps, 1):
             p.append(f"fault step {step!r} is outside the run's steps (0..{self.steps - 1})")
         return p
 
@@ -173,6 +257,49 @@ class RunConfig:
     @classmethod
     def load(cls, path: Path) -> RunConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+FIELDS = {
+    "strategy": Option("str", "a strategy name (python -m dlab strategies lists them)"),
+    "world_size": Option("int", "the number of ranks", minimum=1),
+    "steps": Option("int", "optimizer steps to run", minimum=1),
+    "model": Option("str", "gpt, moe or mlp"),
+    "model_options": Option("dict", "model settings by name, e.g. {'n_layer': 4}"),
+    "batch_size": Option("int", "the global batch, in sequences (samples for the mlp)", minimum=1),
+    "optimizer": Option("choice", "the optimizer every rank builds", choices=("adam", "sgd")),
+    "lr": Option("number", "the learning rate, e.g. 3e-3", minimum=0, above=True),
+    "seed": Option("int", "the seed of weights, data and sampling", minimum=0),
+    "backend": Option("choice", "auto picks NCCL with a GPU per rank, else Gloo",
+                      choices=("auto", "gloo", "nccl")),
+    "device": Option("choice", "auto follows the backend", choices=("auto", "cpu", "cuda")),
+    "threads_per_rank": Option("int", "CPU threads each rank may use", minimum=1),
+    "timeout_s": Option("number", "seconds every collective, the rendezvous and every step "
+                        "may take before the run is ended", minimum=0, above=True),
+    "options": Option("dict", "strategy options by name, e.g. {'bucket_cap_mb': 1}"),
+    "fault": Option("dict", "{'rank': r, 'step': s, 'kind': 'raise'|'kill'|'hang'|'exit'}",
+                    none_ok=True),
+    "save_final": Option("bool", "write the full final parameters to final_state.pt"),
+    "checkpoint_every": Option("int", "steps between checkpoints, 0 for none", minimum=0),
+    "checkpoint_kind": Option("choice", "a file per rank, or one gathered file",
+                              choices=("sharded", "full")),
+    "checkpoint_async": Option("bool", "write checkpoints in a thread while training goes on"),
+    "keep_checkpoints": Option("int", "how many complete checkpoints to keep", minimum=1),
+    "resume": Option("str", "'' (none), 'latest', or a checkpoint or run directory"),
+    "max_restarts": Option("int", "torchrun restarts after a failure", minimum=0),
+    "name": Option("str", "a label for the run directory, e.g. 'ddp-small'"),
+}
+
+
+def _name_problems(name: str) -> list[str]:
+    """The name becomes part of a directory name: one path component, printable, not too long."""
+    if not name:
+        return []
+    bad = sorted({c for c in name if c in '/\\:*?"<>|' or not c.isprintable()})
+    if bad or name in (".", "..") or len(name) > 100:
+        return [f"name {name!r} cannot be part of a directory name (it has {bad or 'no usable form'}"
+                f"{'' if len(name) <= 100 else ', over 100 characters'}); use letters, digits, "
+                f"'-', '_' and '.', e.g. 'ddp-small'"]
+    return []
 
 
 def _gpu_count() -> int:
@@ -217,7 +344,7 @@ def add_arguments(parser, strategy_required: bool = True) -> None:
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--threads", type=int, default=d.threads_per_rank, help="threads per rank")
     parser.add_argument("--timeout", type=float, default=d.timeout_s,
-                        help="deadline in seconds for rendezvous and each collective")
+                        help="deadline in seconds for the rendezvous, each collective and each step")
     parser.add_argument("--opt", action="append", metavar="KEY=VALUE",
                         help="strategy option, e.g. bucket_cap_mb=1 (repeatable)")
     parser.add_argument("--fault", metavar="RANK:STEP:KIND",

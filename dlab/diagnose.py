@@ -4,7 +4,9 @@ When one rank fails, the others usually fail right after it (their peer's socket
 their collective timed out), so "the first error" is not simply the earliest report. The cause
 is chosen in this order:
 
-1. a rank that raised an error of its own (not a symptom of a peer going away);
+1. a rank that raised an error of its own (not a symptom of a peer going away); a rank whose
+   step watchdog caught it stuck outside any collective (``StepDeadline``) is such a cause,
+   and it is named before the ranks that timed out waiting for it in a collective;
 2. a rank that died without a report (killed by a signal, or an exit) - torchrun's failure
    table in ``torchrun.log`` gives its exit code;
 3. otherwise the earliest report (e.g. every rank timed out at the deadline).
@@ -99,6 +101,8 @@ def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | N
         return None
 
     def own_error(rep: dict) -> bool:
+        if rep.get("in_torch"):  # its watchdog found it inside torch: maybe waiting on a peer
+            return False
         text = f"{rep.get('exception', '')} {rep.get('message', '')}".lower()
         return not any(p in text for p in PEER_GONE)
 

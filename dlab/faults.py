@@ -5,8 +5,9 @@
 - ``raise``: raises RuntimeError (a bug in user code);
 - ``kill``: SIGKILL to itself (an out-of-memory kill, a lost node) - it cannot leave a traceback;
 - ``exit``: exits with code 3 without a word (a library calling exit);
-- ``hang``: stops taking part, as a rank stuck in a different collective would; the others wait
-  in their next collective until the deadline (``timeout_s``) ends it.
+- ``hang``: stops taking part, outside any collective (as a rank stuck in its own code would);
+  its step watchdog (``dlab.watchdog``) ends it at the deadline (``timeout_s``), naming where it
+  is stuck, and the others, waiting for it in their next collective, are reported as symptoms.
 """
 from __future__ import annotations
 

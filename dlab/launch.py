@@ -1,19 +1,25 @@
 """``dlab.launch``: one call, a real multi-process run under torchrun, and a handle on it.
 
 What dlab adds to torchrun for a notebook: the config is checked before any process starts; a
-free port and a fresh run directory per run (so runs started together never collide); torchrun
-runs in its own process session and every rank dies with it, so an interrupted cell or a
-stopped kernel leaves nothing behind; a run-wide deadline; and the failing rank's traceback
-brought back into the cell.
+free port (retried when a stranger takes it first) and a fresh run directory per run (so runs
+started together never collide); torchrun runs in its own process session and every rank dies
+with it, and torchrun dies with the process that launched it however that process dies (a
+parent-death signal), so an interrupted cell, a killed kernel or a cancelled job leaves nothing
+behind; a run-wide deadline; and the failing rank's traceback brought back into the cell.
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
+import errno
+import math
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -45,9 +51,12 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
     ``config`` takes any ``RunConfig`` field (steps, model, model_options, batch_size, lr,
     options, fault, ...). A config that cannot work raises ``ConfigError`` here, before any
     process starts. ``wait=True`` blocks until the run ends (``progress`` prints a bar);
-    ``dashboard=True`` blocks with live charts. ``timeout`` bounds the whole run's wall time.
+    ``dashboard=True`` blocks with live charts. ``timeout`` bounds the whole run's wall time
+    (seconds, a positive finite number, or None for no bound beyond ``timeout_s`` per step).
     """
+    _check_wall_timeout(timeout)
     cfg = RunConfig.from_dict({"strategy": strategy, "world_size": world_size, **config}).validate()
+    check_runs_dir(runs_dir)
     run_dir = RunDir.create(runs_dir, cfg.name or f"{strategy}-w{world_size}")
     cfg.save(run_dir / "config.json")
     run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
@@ -58,6 +67,29 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
     elif wait:
         run.wait(timeout=timeout, progress=progress)
     return run
+
+
+def check_runs_dir(runs_dir: str | Path) -> None:
+    """Refuse a runs directory that cannot hold run directories, before anything starts."""
+    path = Path(runs_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"runs_dir {path} is a file, not a directory; choose another runs_dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"runs_dir {path} cannot be created ({e.strerror}); choose a "
+                          f"writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"runs_dir {path} is not writable; choose a writable directory")
+
+
+def _check_wall_timeout(timeout) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"timeout (the run's wall deadline, --deadline on the command line) must "
+                          f"be a positive number of seconds or None (got {timeout!r})")
 
 
 def _worker_env(threads: int, restarts: bool) -> dict[str, str]:
@@ -74,28 +106,143 @@ def _worker_env(threads: int, restarts: bool) -> dict[str, str]:
     return env
 
 
+#: seconds to wait for torchrun to bind its rendezvous port before deciding nothing is wrong
+RDZV_BIND_WAIT = 30.0
+RDZV_TRIES = 3
+
+
 def start_torchrun(run_dir: RunDir, nproc: int, worker_args: list[str], threads: int = 1,
                    max_restarts: int = 0) -> Run:
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-           f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_dir.path.name}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-           "-m", "dlab.worker", "--run-dir", str(run_dir.path.resolve()), *worker_args]
-    with open(run_dir / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=_worker_env(threads, max_restarts > 0))
-    write_json(run_dir / "launch.json", {"command": cmd, "port": port, "pid": proc.pid,
-                                         "host": socket.gethostname(), "started": time.time()})
+    """Start torchrun on a free port and return once it holds that port (the rendezvous store).
+
+    ``free_port`` only says the port was free a moment ago: a stranger may bind it before
+    torchrun does, and torchrun then waits on the stranger in silence for its 10-minute
+    rendezvous timeout. So this waits (typically 1-3 s: torchrun importing torch) until
+    torchrun's own process listens on the port; if another process listens there instead, it
+    stops this torchrun and starts again on another port (``RDZV_TRIES`` times in all)."""
+    env = _worker_env(threads, max_restarts > 0)
+    for attempt in range(1, RDZV_TRIES + 1):
+        port = free_port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_dir.path.name}",
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+               "-m", "dlab.worker", "--run-dir", str(run_dir.path.resolve()), *worker_args]
+        with open(run_dir / "torchrun.log", "ab") as log:
+            proc = _spawn_tied_to_this_process(cmd, log, env)
+        write_json(run_dir / "launch.json", {"command": cmd, "port": port, "pid": proc.pid,
+                                             "host": socket.gethostname(), "started": time.time(),
+                                             "attempt": attempt})
+        if _binds_its_port(proc, port):
+            break
+        _kill_tree(proc, grace=1.0)
+        with open(run_dir / "torchrun.log", "a") as log:
+            print(f"[dlab] another process took rendezvous port {port} before torchrun bound "
+                  f"it; stopped this torchrun and started again on a new port", file=log)
+    else:
+        raise RuntimeError(f"torchrun could not bind a rendezvous port in {RDZV_TRIES} tries: "
+                           f"other processes took each free port first; see {run_dir / 'torchrun.log'}")
     run = Run(run_dir.path, proc)
     _LIVE.add(run)
     return run
+
+
+def _binds_its_port(proc: subprocess.Popen, port: int) -> bool:
+    """True once ``proc`` listens on ``port`` (or has exited: its failure is reported the usual
+    way), or when ``RDZV_BIND_WAIT`` passes with the port still free; False as soon as the port
+    is in use by a process other than ``proc``."""
+    deadline = time.monotonic() + RDZV_BIND_WAIT
+    while time.monotonic() < deadline and proc.poll() is None:
+        listens = _listens_on(proc.pid, port)
+        if listens is None or listens:  # None: this system does not let us look; assume so
+            return True
+        if _port_in_use(port) and not _listens_on(proc.pid, port):
+            return proc.poll() is not None
+        time.sleep(0.05)
+    return True
+
+
+def _listens_on(pid: int, port: int) -> bool | None:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.AccessDenied:
+        return None
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "in use"
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def _spawn_tied_to_this_process(cmd: list[str], log, env: dict) -> subprocess.Popen:
+    """Popen torchrun in its own session (so a stop can signal its group) and, on Linux, with
+    a parent-death signal: the kernel SIGKILLs torchrun when this process dies, however it dies
+    (kill -9, a killed kernel, a cancelled job); its ranks follow (``worker._die_with_parent``).
+
+    Linux delivers the parent-death signal when the *thread* that forked exits, not the
+    process. A notebook may launch from a short-lived thread, so every torchrun is forked by
+    one daemon thread that lives as long as this process."""
+    if not sys.platform.startswith("linux"):
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    done: queue.Queue = queue.Queue()
+    _spawner().put((cmd, log, env, done))
+    ok, value = done.get()
+    if not ok:
+        raise value
+    return value
+
+
+_SPAWN_QUEUE: queue.Queue | None = None
+_SPAWN_LOCK = threading.Lock()
+
+
+def _spawner() -> queue.Queue:
+    global _SPAWN_QUEUE
+    with _SPAWN_LOCK:
+        if _SPAWN_QUEUE is None:
+            _SPAWN_QUEUE = queue.Queue()
+            threading.Thread(target=_spawn_loop, args=(_SPAWN_QUEUE,), name="dlab-torchrun-spawner",
+                             daemon=True).start()
+    return _SPAWN_QUEUE
+
+
+def _spawn_loop(requests: queue.Queue) -> None:
+    # Looked up here, not in the forked child: loading a library after fork can deadlock.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    while True:
+        cmd, log, env, done = requests.get()
+        parent = os.getpid()
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                    preexec_fn=lambda parent=parent: _die_with(prctl, parent))
+            done.put((True, proc))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+            done.put((False, e))
+
+
+def _die_with(prctl, parent: int) -> None:
+    """In the forked child, before exec: SIGKILL me when my parent's spawning thread ends."""
+    PR_SET_PDEATHSIG = 1
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def attach(path: str | Path) -> Run:
     """Open a run something else started (torchrun on a cluster, an earlier kernel)."""
     if not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a dlab run directory (it has no config.json)")
+    RunDir(path).config()  # a corrupt config.json is refused here, naming the file
     return Run(path)
 
 
@@ -124,6 +271,7 @@ class Run:
 
     @property
     def state(self) -> str:
+        """running, ok, failed, stopped, interrupted, timeout, or lost (see ``RunDir.status``)."""
         if self.proc is not None and self.proc.poll() is None:
             return "running"
         if self.proc is not None and self._ended_as is None:
@@ -199,6 +347,10 @@ class Run:
         failure = self.failure()
         if failure:
             raise failure
+        if self.state == "lost":
+            raise RuntimeError(f"run {self.path} is lost: its launcher and processes are gone "
+                               f"without a final status (killed with kill -9, or its kernel "
+                               f"died); what it wrote so far is still readable")
         return self
 
     def _a_rank_failed(self) -> bool:

@@ -23,9 +23,7 @@ from dlab.runs import RunDir
 def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str | Path = "runs",
           name: str = "", timeout: float | None = None, **kwargs) -> list:
     cfg = RunConfig(strategy="call", world_size=world_size, timeout_s=timeout_s)
-    problems = [p for p in cfg._device_problems()]
-    if not isinstance(world_size, int) or world_size < 1:
-        problems.insert(0, f"world_size must be a whole number >= 1 (got {world_size!r})")
+    problems = cfg.field_problems(("world_size", "timeout_s")) or cfg._device_problems()
     if problems:
         from dlab.config import ConfigError
         raise ConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
@@ -35,7 +33,8 @@ def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str
         module = sys.modules[fn.__module__]
         target = {"module": fn.__module__, "file": getattr(module, "__file__", None),
                   "function": fn.__qualname__}
-    from dlab.launch import start_torchrun
+    from dlab.launch import check_runs_dir, start_torchrun
+    check_runs_dir(runs_dir)
     run_dir = RunDir.create(runs_dir, name or "spawn")
     cfg.save(run_dir / "config.json")
     with open(run_dir / "call.pkl", "wb") as f:

@@ -19,12 +19,18 @@ import ctypes
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
 from dlab.config import RunConfig, add_arguments, from_args
 from dlab.runs import RankWriter, RunDir
+from dlab.watchdog import StepWatchdog
+
+#: seconds a rank whose collective timed out waits before exiting, so that the peer it waited
+#: for, if stuck outside a collective, reports itself (its watchdog's deadline started earlier)
+SYMPTOM_GRACE_S = 1.0
 
 
 def _adopt_slurm_env() -> None:
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent()
     writer = RankWriter(run, rank)
     state = {"step": None}
+    watchdog = StepWatchdog(state, cfg.timeout_s, writer, rank).start()
     try:
         if cfg.world_size != world:
             raise RuntimeError(f"config says world_size={cfg.world_size} but this job has "
@@ -110,13 +117,18 @@ def main(argv: list[str] | None = None) -> None:
         if not args.call:
             cfg.validate()
         result = _run(cfg, run, writer, rank, world, local_rank, state, args.call)
+        watchdog.stop()
         writer.report(ok=True, step=state["step"], **(result or {}))
         writer.close()
     except BaseException as exc:  # noqa: BLE001 - every failure must leave a report
+        watchdog.stop()
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
+        hint = _timeout_hint(exc, cfg.timeout_s)
         writer.report(ok=False, step=state["step"], exception=type(exc).__name__,
-                      message=str(exc), traceback=tb, hint=_timeout_hint(exc, cfg.timeout_s))
+                      message=str(exc), traceback=tb, hint=hint)
+        if hint:
+            time.sleep(SYMPTOM_GRACE_S)
         # Skip interpreter teardown: destroying a process group whose peers are gone can block.
         os._exit(1)
 
@@ -146,6 +158,7 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
 
     from dlab import parallel
     from dlab.checkpoint import Checkpointer
+    from dlab.checkpoint import run_meta as checkpoint_meta
     from dlab.comm.instrumented import Comm
     from dlab.parallel.base import Context
     from dlab.timeline import Timeline
@@ -161,7 +174,7 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
     if cfg.checkpoint_every:
         checkpointer = Checkpointer(writer.run / "checkpoints", rank, world, cfg.checkpoint_kind,
                                     cfg.keep_checkpoints, cfg.checkpoint_async,
-                                    meta={"strategy": cfg.strategy})
+                                    meta=checkpoint_meta(cfg))
     dist.barrier()
     t0_wall = timeline.align()
     if attempt or state["step"]:

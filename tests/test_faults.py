@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import _thread
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -50,12 +52,44 @@ def test_a_silent_exit_is_reported_with_its_code(runs_dir):
     assert gone_after < 10
 
 
-def test_a_collective_that_never_completes_ends_at_the_deadline(runs_dir):
+@pytest.mark.slow  # ~25 s: four ranks
+def test_a_hung_rank_is_named_first_at_the_deadline(runs_dir):
+    """Rank 1 stops outside any collective; the others wait for it in their next all-reduce.
+    Its step watchdog reports it at the deadline, with where it is stuck, and the error names it
+    rather than the ranks that timed out waiting (the symptoms)."""
     start = time.monotonic()
     err, _ = _fail(runs_dir, {"rank": 1, "step": 2, "kind": "hang"}, timeout_s=4)
-    assert "deadline (timeout_s=4 s)" in str(err) and 1 in err.unreported
-    assert err.rank != 1  # the stuck rank cannot report; a waiting one does, at the deadline
+    assert err.rank == 1 and err.exception == "StepDeadline" and err.step == 2, str(err)
+    assert "deadline (timeout_s=4 s)" in str(err)
+    assert "stuck at faults.py" in str(err) and "in maybe_inject" in str(err)
     assert time.monotonic() - start < 60
+
+
+def test_a_single_rank_stuck_outside_a_collective_ends_at_its_deadline(runs_dir):
+    run = dlab.launch("single", 1, runs_dir=runs_dir, fault={"rank": 0, "step": 1, "kind": "hang"},
+                      **{**TINY_GPT, "steps": 3, "timeout_s": 3})
+    with pytest.raises(dlab.RunFailed) as info:
+        run.wait(timeout=120)
+    err = info.value
+    assert err.rank == 0 and err.exception == "StepDeadline" and err.step == 1
+    assert "outside any collective" in str(err) and "maybe_inject" in str(err)
+    stuck_since = (run.path / "metrics" / "rank0.jsonl").stat().st_mtime
+    assert 3 <= run.dir.report(0)["time"] - stuck_since < 8, "ends at the deadline, not later"
+    assert run.state == "failed" and not processes_of(run.path)
+
+
+def test_cli_deadline_bounds_the_whole_run(runs_dir):
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "dlab", "run", "single", "-n", "1", "--steps",
+                           "1000000", "--deadline", "8", "--runs-dir", str(runs_dir),
+                           "--model-opt", "n_layer=1", "--model-opt", "d_model=32",
+                           "--model-opt", "n_head=2", "--model-opt", "seq_len=32"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "did not finish within 8" in done.stderr, done.stderr
+    assert "raise --deadline" in done.stderr and "Traceback" not in done.stderr
+    assert time.monotonic() - start < 60
+    (run_dir,) = runs_dir.iterdir()
+    assert dlab.attach(run_dir).state == "timeout"
 
 
 def test_failure_reaches_the_caller_within_seconds(runs_dir):

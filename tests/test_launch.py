@@ -2,8 +2,11 @@
 start together, and the worker started by torchrun itself (a two-node rehearsal)."""
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import TINY_GPT, assert_same_training, losses
@@ -73,3 +76,28 @@ def test_two_torchrun_nodes_write_one_run_directory(tmp_path):
     assert run.world_size == 2 and run.state == "ok"
     assert [len(run.metrics(r)) for r in (0, 1)] == [3, 3]
     assert losses(run, 0) == losses(run, 1)
+
+
+def test_a_rendezvous_port_taken_before_torchrun_binds_it_is_retried(runs_dir, monkeypatch):
+    """``free_port`` hands out a port that a stranger then listens on (the race it cannot
+    close): the launcher sees the stranger within seconds, starts torchrun again on another
+    port, and the run completes instead of waiting 10 minutes on the stranger."""
+    launch_module = sys.modules["dlab.launch"]
+    stranger = socket.socket()
+    stranger.bind(("127.0.0.1", 0))
+    stranger.listen()
+    taken = stranger.getsockname()[1]
+    ports = iter([taken])
+    real = launch_module.free_port
+    monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real())
+    try:
+        start = time.monotonic()
+        run = dlab.launch("single", 1, runs_dir=runs_dir, **{**TINY_GPT, "steps": 2})
+        launched = time.monotonic() - start
+        run.wait(timeout=120)
+    finally:
+        stranger.close()
+    info = json.loads((run.path / "launch.json").read_text())
+    assert info["attempt"] == 2 and info["port"] != taken
+    assert f"took rendezvous port {taken}" in (run.path / "torchrun.log").read_text()
+    assert launched < 30 and run.state == "ok"

@@ -6,6 +6,7 @@ loop (``dlab.train``) owns the data, timing, metrics and checkpoint cadence.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from dlab import checkpoint, models
 from dlab.comm.instrumented import Comm
-from dlab.config import RunConfig
+from dlab.config import Option, RunConfig
 from dlab.metrics import ActivationMeter, model_state_memory
 from dlab.timeline import Timeline
 
@@ -36,12 +37,30 @@ class Strategy:
     name = ""
     #: world sizes this strategy runs at (None: any)
     world_sizes: tuple[int, ...] | None = None
+    #: the options this strategy takes, by name: the one place they are declared and checked
+    OPTIONS: dict[str, Option] = {}
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.meter: ActivationMeter | None = None
 
     # --- checks (class level: run before any process starts) ------------------------------
+    @classmethod
+    def option_problems(cls, config: RunConfig) -> list[str]:
+        """Unknown option names (with a did-you-mean), then each value's kind and range against
+        ``OPTIONS``. ``RunConfig.problems`` runs these before ``problems``, which may then take
+        every option to be of its declared kind."""
+        if not isinstance(config.options, dict):
+            return [f"options must be a dict of option name -> value (got {config.options!r})"]
+        unknown = sorted((k for k in config.options if k not in cls.OPTIONS), key=str)
+        if unknown:
+            hints = [f"did you mean {close[0]!r} for {k!r}? " for k in unknown
+                     if (close := difflib.get_close_matches(str(k), list(cls.OPTIONS), n=1))]
+            return [f"unknown option(s) {unknown} for strategy {config.strategy!r}; {''.join(hints)}"
+                    f"it takes {', '.join(cls.OPTIONS) or 'no options'}"]
+        return [problem for key, value in config.options.items()
+                if (problem := cls.OPTIONS[key].problem(key, value)) is not None]
+
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
         if cls.world_sizes is not None and config.world_size not in cls.world_sizes:
@@ -143,6 +162,11 @@ class WholeModel(Strategy):
 
     def load_checkpoint_state(self, reader):
         checkpoint.load_replica(self.model, self.optimizer, reader)
+
+
+#: the gradient bucket size of PyTorch's DDP and of dlab's ``ddp``
+BUCKET_CAP_MB = Option("number", "MiB per gradient bucket, e.g. 25 (PyTorch's default) or 0.05 "
+                       "for a tiny model", default=25, minimum=0, above=True)
 
 
 def data_parallel_problems(config: RunConfig, dp: int) -> list[str]:

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
-from dlab.parallel.base import WholeModel, data_parallel_problems
+from dlab.parallel.base import BUCKET_CAP_MB, WholeModel, data_parallel_problems
 
 
 @register("single")
@@ -47,6 +47,8 @@ class TorchDDP(WholeModel):
     that does exactly what the built-in one does (divide by N, all-reduce) counts the bytes and
     records each bucket's all-reduce on the timeline.
     """
+
+    OPTIONS = {"bucket_cap_mb": BUCKET_CAP_MB}
 
     @classmethod
     def problems(cls, config):

@@ -25,10 +25,9 @@ import functools
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
-from dlab.parallel.base import WholeModel, data_parallel_problems
+from dlab.parallel.base import Option, WholeModel, data_parallel_problems
 from dlab.parallel.context import layout
 from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
-from dlab.parallel.data_parallel.replica import unknown_options
 from dlab.parallel.mesh import Mesh
 
 ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}
@@ -45,24 +44,28 @@ class ContextParallel(WholeModel):
     """Context parallelism: each rank holds a share of every sequence; attention by ring or
     all-gather."""
 
+    OPTIONS = {
+        "attention": Option("choice", "how attention sees the other ranks' keys and values",
+                            default="ring", choices=tuple(ATTENTION)),
+        "layout": Option("choice", "how a sequence is cut over the ranks", default="zigzag",
+                         choices=layout.LAYOUTS),
+        "cp": Option("int", "the context-parallel degree (default: every rank)", minimum=1),
+    }
+
     @classmethod
     def problems(cls, config):
-        p = super().problems(config) + unknown_options(config, ("attention", "layout", "cp"))
+        p = super().problems(config)
         if p:
             return p
         if config.model != "gpt":
             return [f"context parallelism splits a sequence; use model='gpt' (got {config.model!r})"]
-        attention, lay, cp = cp_options(config)
-        if cp < 1 or config.world_size % cp:
+        _, lay, cp = cp_options(config)
+        if config.world_size % cp:
             return [f"option cp={cp} must divide world_size={config.world_size} (cp x dp ranks)"]
         p += data_parallel_problems(config, config.world_size // cp)
-        if attention not in ATTENTION:
-            p.append(f"option attention={attention!r} is not one of {sorted(ATTENTION)}")
-        if lay not in layout.LAYOUTS:
-            p.append(f"option layout={lay!r} is not one of {list(layout.LAYOUTS)}")
         pieces = layout.chunks(lay, cp)
         seq_len = config.model_config().seq_len
-        if lay in layout.LAYOUTS and seq_len % pieces:
+        if seq_len % pieces:
             p.append(f"model option seq_len={seq_len} does not cut into {pieces} equal chunks "
                      f"({lay} layout at cp={cp}); use a multiple of {pieces}")
         return p

@@ -32,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dlab.parallel import register
+from dlab.parallel.base import BUCKET_CAP_MB, Option
 from dlab.parallel.data_parallel.buckets import build_buckets
 from dlab.parallel.data_parallel.replica import Replica
 
@@ -57,22 +58,21 @@ def ddp_options(config) -> tuple[float, int, str]:
 class DistributedDataParallel(Replica):
     """Data parallelism with buckets all-reduced from autograd hooks, overlapping backward."""
 
-    OPTIONS = ("bucket_cap_mb", "accumulation", "allreduce")
+    OPTIONS = {
+        "bucket_cap_mb": BUCKET_CAP_MB,
+        "accumulation": Option("int", "micro-batches per step (gradient accumulation)", default=1,
+                               minimum=1),
+        "allreduce": Option("choice", "torch.distributed.all_reduce ('backend') or dlab's ring",
+                            default="backend", choices=ALLREDUCE),
+    }
 
     @classmethod
     def problems(cls, config):
         p = super().problems(config)
         if p:
             return p
-        cap, k, allreduce = ddp_options(config)
-        if not isinstance(cap, (int, float)) or cap <= 0:
-            p.append(f"option bucket_cap_mb must be a positive number of MiB (got {cap!r}); "
-                     f"e.g. 25 (PyTorch's default) or 0.05 for a tiny model")
-        if not isinstance(k, int) or k < 1:
-            p.append(f"option accumulation must be a whole number >= 1 (got {k!r})")
-        if allreduce not in ALLREDUCE:
-            p.append(f"option allreduce must be one of {list(ALLREDUCE)} (got {allreduce!r})")
-        elif allreduce == "ring" and ring_algorithm() is None:
+        _, k, allreduce = ddp_options(config)
+        if allreduce == "ring" and ring_algorithm() is None:
             p.append("allreduce='ring' needs dlab's ring all-reduce (dlab.comm.algorithms), "
                      "which this installation lacks; use allreduce='backend'")
         if not p and config.batch_size % (config.world_size * k):

@@ -31,6 +31,7 @@ from torch.nn.utils import parameters_to_vector
 
 from dlab.metrics import ActivationMeter, model_state_memory, storage_bytes
 from dlab.parallel import register
+from dlab.parallel.base import Option
 from dlab.parallel.data_parallel.replica import Replica
 
 SERVER = 0
@@ -142,16 +143,9 @@ class AsyncParameterServer(SyncParameterServer):
     overstate the time it cost; the ``recv`` events on the timeline show what actually blocked.
     """
 
-    OPTIONS = ("max_staleness",)
-
-    @classmethod
-    def problems(cls, config):
-        p = super().problems(config)
-        s = config.options.get("max_staleness")
-        if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 0):
-            p.append(f"option max_staleness must be a whole number >= 0 or null for unbounded "
-                     f"(got {s!r}); 0 makes ps-async behave as ps-sync")
-        return p
+    OPTIONS = {"max_staleness": Option("int", "rounds a worker may run ahead of the server; "
+                                       "None is unbounded, 0 makes ps-async behave as ps-sync",
+                                       minimum=0, none_ok=True)}
 
     def setup(self) -> None:
         super().setup()

@@ -19,23 +19,12 @@ from dlab.metrics import ActivationMeter
 from dlab.parallel.base import Strategy, data_parallel_problems
 
 
-def unknown_options(config, known: tuple[str, ...]) -> list[str]:
-    unknown = sorted(set(config.options) - set(known))
-    if unknown:
-        return [f"unknown option(s) {unknown} for strategy {config.strategy!r}; it takes "
-                f"{list(known) or 'none'}"]
-    return []
-
-
 class Replica(Strategy):
     """Base of the data-parallel strategies: one replica per rank, the batch split by rank."""
 
-    OPTIONS: tuple[str, ...] = ()
-
     @classmethod
     def problems(cls, config):
-        return (super().problems(config) + unknown_options(config, cls.OPTIONS)
-                + data_parallel_problems(config, config.world_size))
+        return super().problems(config) + data_parallel_problems(config, config.world_size)
 
     def setup(self) -> None:
         self.model = self.build_model()

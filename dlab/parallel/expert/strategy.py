@@ -23,7 +23,6 @@ from dlab.data import shard
 from dlab.metrics import ActivationMeter, model_state_memory
 from dlab.parallel import register
 from dlab.parallel.base import Strategy, data_parallel_problems
-from dlab.parallel.data_parallel.replica import unknown_options
 from dlab.parallel.expert.dispatch import ExpertParallelCombine
 
 
@@ -38,7 +37,7 @@ class ExpertParallel(Strategy):
 
     @classmethod
     def problems(cls, config):
-        p = super().problems(config) + unknown_options(config, ())
+        p = super().problems(config)
         if config.model != "moe":
             return p + [f"expert parallelism splits a mixture of experts; use model='moe' "
                         f"(got {config.model!r})"]

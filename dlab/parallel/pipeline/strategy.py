@@ -44,7 +44,7 @@ from dlab.comm.instrumented import Comm
 from dlab.data import shard
 from dlab.metrics import ActivationMeter, model_state_memory
 from dlab.parallel import register
-from dlab.parallel.base import Strategy
+from dlab.parallel.base import Option, Strategy
 from dlab.parallel.mesh import Mesh
 from dlab.parallel.pipeline import schedules
 from dlab.parallel.pipeline.executor import Executor
@@ -53,13 +53,24 @@ from dlab.parallel.pipeline.weight_grad import WeightGradStore, split_linears
 from dlab.parallel.tensor.model import TensorParallelGPT
 from dlab.parallel.tensor.strategy import gather_shards, model_split_problems
 
-OPTIONS = ("microbatches", "virtual_stages", "dp", "tp", "balance", "recv_ahead")
+OPTIONS = {
+    "microbatches": Option("int", "micro-batches per step (m; default 4, the naive pipeline 1)",
+                           minimum=1),
+    "virtual_stages": Option("int", "stages per rank (v) for the interleaved schedules", minimum=1),
+    "dp": Option("int", "replicas of the whole pipeline", default=1, minimum=1),
+    "tp": Option("int", "tensor parallelism inside every stage", default=1, minimum=1),
+    "balance": Option("choice", "deal blocks out by parameter count or by measured time",
+                      default="params", choices=("params", "time")),
+    "recv_ahead": Option("int", "receives kept posted ahead (default 2v on Gloo, 0 on NCCL)",
+                         minimum=0),
+}
 
 
 class Pipeline(Strategy):
     """Pipeline parallelism (override ``schedule`` in a subclass)."""
     schedule = ""
     default_v = 1
+    OPTIONS = OPTIONS
 
     # --- configuration --------------------------------------------------------------------
     @classmethod
@@ -81,15 +92,9 @@ class Pipeline(Strategy):
     @classmethod
     def problems(cls, config) -> list[str]:
         out = super().problems(config)
-        unknown = sorted(set(config.options) - set(OPTIONS))
-        if unknown:
-            out.append(f"unknown option(s) {unknown} for {config.strategy}; it takes {list(OPTIONS)}")
         if config.model != "gpt":
             return out + [f"{config.strategy} splits the GPT by layers; use model='gpt'"]
         p, d, t, m, v = cls.layout(config)
-        for name, val in (("dp", d), ("tp", t), ("microbatches", m), ("virtual_stages", v)):
-            if not isinstance(val, int) or val < 1:
-                out.append(f"option {name} must be a whole number >= 1 (got {val!r})")
         if out:
             return out
         if config.world_size % (d * t):
@@ -106,13 +111,9 @@ class Pipeline(Strategy):
             out.append(f"batch_size={config.batch_size} must split into dp={d} replicas of "
                        f"microbatches={m} equal micro-batches: use a multiple of {d * m}")
         k = cls.recv_ahead(config)
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            out.append(f"option recv_ahead must be a whole number >= 0 (got {k!r})")
-        elif k > 0 and config.resolved_backend() == "nccl":
+        if k > 0 and config.resolved_backend() == "nccl":
             out.append(f"recv_ahead={k} can deadlock on NCCL (a posted receive holds the stream a "
                        f"send to the same peer needs); use recv_ahead=0 with NCCL, or backend='gloo'")
-        if config.options.get("balance", "params") not in ("params", "time"):
-            out.append(f"balance must be 'params' or 'time' (got {config.options['balance']!r})")
         try:
             sched = schedules.build(cls.schedule, p, m, v)
         except ValueError as e:

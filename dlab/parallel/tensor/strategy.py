@@ -15,11 +15,15 @@ import torch.distributed as dist
 from dlab.data import shard
 from dlab.metrics import ActivationMeter, model_state_memory
 from dlab.parallel import register
-from dlab.parallel.base import Strategy, data_parallel_problems
+from dlab.parallel.base import Option, Strategy, data_parallel_problems
 from dlab.parallel.mesh import Mesh
 from dlab.parallel.tensor.model import TensorParallelGPT
 
-OPTIONS = ("tp", "sequence_parallel")
+OPTIONS = {
+    "tp": Option("int", "the tensor-parallel degree (default: every rank)", minimum=1),
+    "sequence_parallel": Option("bool", "split the sequence in the norms and dropout regions "
+                                "(Korthikanti et al.)", default=False),
+}
 
 
 def tp_options(config) -> tuple[int, bool]:
@@ -27,18 +31,12 @@ def tp_options(config) -> tuple[int, bool]:
         config.options.get("sequence_parallel", False))
 
 
-def tensor_parallel_problems(config, options: tuple[str, ...] = OPTIONS) -> list[str]:
+def tensor_parallel_problems(config) -> list[str]:
     """The checks ``tp`` and ``torch-tp`` share: what must divide by the tensor-parallel degree."""
-    unknown = sorted(set(config.options) - set(options))
-    if unknown:
-        return [f"unknown option(s) {unknown} for strategy {config.strategy!r}; it takes "
-                f"{list(options)}"]
     if config.model != "gpt":
         return [f"tensor parallelism here splits the GPT's heads, MLP and vocabulary; use "
                 f"model='gpt' (got {config.model!r})"]
     tp, sp = tp_options(config)
-    if tp < 1:
-        return [f"option tp must be >= 1 (got {tp})"]
     p = []
     if config.world_size % tp:
         p.append(f"world_size={config.world_size} is not a multiple of tp={tp}; use a "
@@ -80,6 +78,8 @@ def all_reduce_grads(params: list[torch.Tensor], comm, average: bool) -> None:
 class TensorParallel(Strategy):
     """Megatron-LM tensor parallelism (Shoeybi et al. 2019) with optional sequence parallelism
     (Korthikanti et al. 2022), written on dlab's own f / g operators; TP x DP through a mesh."""
+
+    OPTIONS = OPTIONS
 
     @classmethod
     def problems(cls, config):

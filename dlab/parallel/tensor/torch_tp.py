@@ -29,7 +29,7 @@ from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import Strategy
 from dlab.parallel.mesh import Mesh
-from dlab.parallel.tensor.strategy import all_reduce_grads, tensor_parallel_problems, tp_options
+from dlab.parallel.tensor.strategy import OPTIONS, all_reduce_grads, tensor_parallel_problems, tp_options
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +76,8 @@ def block_plan(sequence_parallel: bool) -> dict:
 class TorchTensorParallel(Strategy):
     """PyTorch's ``parallelize_module`` (Colwise / Rowwise / SequenceParallel) on the GPT's
     blocks; options as ``tp``: ``tp`` and ``sequence_parallel``. TP x DP through a mesh."""
+
+    OPTIONS = OPTIONS
 
     @classmethod
     def problems(cls, config):

@@ -40,10 +40,13 @@ from dlab import checkpoint
 from dlab.data import shard
 from dlab.estimate.memory import zero_memory
 from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
-from dlab.parallel.base import Strategy, data_parallel_problems
+from dlab.parallel.base import Option, Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import FlatUnit, build_units
 
-BOOL_OPTIONS = ("mixed_precision", "offload_optimizer")
+BOOL_OPTIONS = {
+    "mixed_precision": Option("bool", "compute in bf16 with fp32 master weights", default=False),
+    "offload_optimizer": Option("bool", "keep the optimizer state in CPU memory", default=False),
+}
 
 
 class Transient:
@@ -114,20 +117,11 @@ class ZeroStrategy(Strategy):
     parameter handling around the shared step."""
 
     stage = 0
-    OPTIONS: tuple[str, ...] = BOOL_OPTIONS
+    OPTIONS = BOOL_OPTIONS
 
     @classmethod
     def problems(cls, config):
-        p = super().problems(config)
-        unknown = sorted(set(config.options) - set(cls.OPTIONS))
-        if unknown:
-            p.append(f"unknown option(s) {unknown} for strategy {config.strategy!r}; it takes "
-                     f"{list(cls.OPTIONS)}")
-        for key in cls.OPTIONS:
-            value = config.options.get(key, False)
-            if not isinstance(value, bool):
-                p.append(f"option {key} must be True or False (got {value!r})")
-        return p + data_parallel_problems(config, config.world_size)
+        return super().problems(config) + data_parallel_problems(config, config.world_size)
 
     # --- setup ------------------------------------------------------------------------------
     def setup(self) -> None:

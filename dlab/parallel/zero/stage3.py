@@ -27,6 +27,7 @@ gradients reduce-scattered once, 3 (N-1)/N of their bytes against 2 (N-1)/N for 
 from __future__ import annotations
 
 from dlab.parallel import register
+from dlab.parallel.base import Option
 from dlab.parallel.zero.stage2 import GradientSharding
 
 
@@ -35,7 +36,9 @@ class Zero3(GradientSharding):
     """ZeRO stage 3 (FSDP): parameters sharded too, gathered per block for forward and backward."""
 
     stage = 3
-    OPTIONS = GradientSharding.OPTIONS + ("prefetch",)
+    OPTIONS = {**GradientSharding.OPTIONS,
+               "prefetch": Option("bool", "gather the next block's parameters while this one "
+                                  "computes", default=True)}
 
     def setup(self) -> None:
         super().setup()

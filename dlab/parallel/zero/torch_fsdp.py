@@ -26,8 +26,7 @@ from dlab.metrics import ActivationMeter, storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import unit_modules
-
-OPTIONS = ("mixed_precision", "offload_optimizer")
+from dlab.parallel.zero.sharded import BOOL_OPTIONS
 
 
 def _local(t):
@@ -56,17 +55,11 @@ class TorchFSDP2(Strategy):
     """PyTorch's FSDP2 (fully_shard per block), the peer for ZeRO-3."""
 
 
+    OPTIONS = BOOL_OPTIONS
+
     @classmethod
     def problems(cls, config):
-        p = super().problems(config)
-        unknown = sorted(set(config.options) - set(OPTIONS))
-        if unknown:
-            p.append(f"unknown option(s) {unknown} for strategy {config.strategy!r}; "
-                     f"it takes {list(OPTIONS)}")
-        for key in OPTIONS:
-            if not isinstance(config.options.get(key, False), bool):
-                p.append(f"option {key} must be True or False (got {config.options[key]!r})")
-        return p + data_parallel_problems(config, config.world_size)
+        return super().problems(config) + data_parallel_problems(config, config.world_size)
 
     def setup(self) -> None:
         opts = self.ctx.config.options
