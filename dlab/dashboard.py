@@ -35,7 +35,7 @@ from dlab.plots import as_run, draw_run, is_pipeline, new_figure, png
 from dlab.runs import JsonlTail
 
 STATE_COLORS = {"running": "#1f77b4", "ok": "#2ca02c", "failed": "#d62728", "stopped": "#ff7f0e",
-                "timeout": "#d62728", "interrupted": "#ff7f0e"}
+                "timeout": "#d62728", "interrupted": "#ff7f0e", "lost": "#7f7f7f"}
 
 
 def _hear_clicks_while_busy(button: widgets.Button, clicked: threading.Event) -> bool:

@@ -139,7 +139,10 @@ def _run(cfg: RunConfig, run: RunDir, writer: RankWriter, rank: int, world: int,
     import torch.distributed as dist
 
     torch.set_num_threads(cfg.threads_per_rank)
-    device = torch.device(cfg.resolved_device(), local_rank if cfg.resolved_device() == "cuda" else None)
+    # Under Gloo several ranks may share a GPU (memory lessons, `dlab check` on one GPU): rank
+    # i of a node takes GPU i modulo the GPUs there. NCCL's config check asks for one per rank.
+    cuda = cfg.resolved_device() == "cuda"
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(cfg.resolved_backend(), timeout=timedelta(seconds=cfg.timeout_s))
