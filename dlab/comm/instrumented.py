@@ -40,6 +40,20 @@ from dlab.comm.wire import OVERLAPPED, meter
 from dlab.estimate import comm as model
 
 REDUCE_SCATTER_ALGORITHMS = ("backend", "ring")
+REDUCE_SCATTER_OPTION = "reduce_scatter"  # the strategies' option choosing one of them
+
+
+def reduce_scatter_option(config) -> str:
+    return config.options.get(REDUCE_SCATTER_OPTION, "backend")
+
+
+def reduce_scatter_problems(config) -> list[str]:
+    value = reduce_scatter_option(config)
+    if value not in REDUCE_SCATTER_ALGORITHMS:
+        return [f"option reduce_scatter={value!r} is not one of {list(REDUCE_SCATTER_ALGORITHMS)} "
+                f"('backend': the backend's reduce_scatter_tensor, on Gloo a whole all-reduce; "
+                f"'ring': dlab's ring reduce-scatter, (N-1)/N of the input per rank)"]
+    return []
 
 
 def _plus(a, b):
@@ -263,4 +277,5 @@ class Comm:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
 
-__all__ = ["Comm", "OpStats", "OVERLAPPED", "REDUCE_SCATTER_ALGORITHMS", "nbytes"]
+__all__ = ["Comm", "OpStats", "OVERLAPPED", "REDUCE_SCATTER_ALGORITHMS", "REDUCE_SCATTER_OPTION",
+           "nbytes", "reduce_scatter_option", "reduce_scatter_problems"]

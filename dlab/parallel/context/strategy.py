@@ -14,7 +14,8 @@ the price of K/V traffic per layer, which grows with the sequence, not with the 
 
 ``options``: ``attention`` = ``"ring"`` (default) or ``"allgather"``; ``layout`` =
 ``"zigzag"`` (default) or ``"contiguous"``; ``cp`` = the context-parallel degree (default:
-every rank). With fewer, the ranks form ``Mesh({"dp": world/cp, "cp": cp})``: each group of cp
+every rank); ``reduce_scatter`` = ``"backend"`` (default) or ``"ring"`` (the all-gather
+attention's backward reduce-scatter by dlab's own ring, half the bytes of Gloo's). With fewer, the ranks form ``Mesh({"dp": world/cp, "cp": cp})``: each group of cp
 adjacent ranks shares a slice of the batch and splits its sequences (CP x DP). The gradient
 all-reduce then runs over every rank, since each one's gradient covers different tokens.
 """
@@ -28,6 +29,7 @@ from dlab.parallel import register
 from dlab.parallel.base import WholeModel, data_parallel_problems
 from dlab.parallel.context import layout
 from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
+from dlab.comm.instrumented import REDUCE_SCATTER_OPTION, reduce_scatter_option, reduce_scatter_problems
 from dlab.parallel.data_parallel.replica import unknown_options
 from dlab.parallel.mesh import Mesh
 
@@ -47,7 +49,8 @@ class ContextParallel(WholeModel):
 
     @classmethod
     def problems(cls, config):
-        p = super().problems(config) + unknown_options(config, ("attention", "layout", "cp"))
+        p = super().problems(config) + unknown_options(
+            config, ("attention", "layout", "cp", REDUCE_SCATTER_OPTION)) + reduce_scatter_problems(config)
         if p:
             return p
         if config.model != "gpt":
@@ -76,6 +79,7 @@ class ContextParallel(WholeModel):
         positions = [layout.positions(lay, seq_len, r, cp).to(ctx.device) for r in range(cp)]
         self.positions = positions[self.mesh.rank("cp")]
         self.model = self.build_model()
+        self.mesh.comm("cp").reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
         core = functools.partial(ATTENTION[attention], ring=Ring(self.mesh.comm("cp"), positions))
         for block in self.model.blocks:
             block.attn.core = core

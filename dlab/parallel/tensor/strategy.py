@@ -1,8 +1,10 @@
 """The ``tp`` strategy: Megatron-style tensor parallelism, optionally with sequence parallelism,
 combined with data parallelism when there are more ranks than the tensor-parallel degree.
 
-``options``: ``tp`` (the tensor-parallel degree t, default: every rank) and
-``sequence_parallel`` (default False). Ranks form a ``Mesh({"dp": world/t, "tp": t})``: the t
+``options``: ``tp`` (the tensor-parallel degree t, default: every rank),
+``sequence_parallel`` (default False) and ``reduce_scatter`` (``"backend"``, default, or
+``"ring"``: sequence parallelism's reduce-scatters by dlab's own ring, (N-1)/N of the input per
+rank where Gloo's, a whole all-reduce, writes twice that). Ranks form a ``Mesh({"dp": world/t, "tp": t})``: the t
 ranks of one tensor-parallel group are adjacent (on one node, where the bandwidth is) and take
 the same data-parallel slice of the global batch; the data-parallel replicas all-reduce their
 gradients after backward, like plain DDP.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dlab.comm.instrumented import REDUCE_SCATTER_OPTION, reduce_scatter_option, reduce_scatter_problems
 from dlab.data import shard
 from dlab.metrics import ActivationMeter, model_state_memory
 from dlab.parallel import register
@@ -19,7 +22,7 @@ from dlab.parallel.base import Strategy, data_parallel_problems
 from dlab.parallel.mesh import Mesh
 from dlab.parallel.tensor.model import TensorParallelGPT
 
-OPTIONS = ("tp", "sequence_parallel")
+OPTIONS = ("tp", "sequence_parallel", REDUCE_SCATTER_OPTION)
 
 
 def tp_options(config) -> tuple[int, bool]:
@@ -37,6 +40,8 @@ def tensor_parallel_problems(config, options: tuple[str, ...] = OPTIONS) -> list
         return [f"tensor parallelism here splits the GPT's heads, MLP and vocabulary; use "
                 f"model='gpt' (got {config.model!r})"]
     tp, sp = tp_options(config)
+    if reduce_scatter_problems(config):
+        return reduce_scatter_problems(config)
     if tp < 1:
         return [f"option tp must be >= 1 (got {tp})"]
     p = []
@@ -91,6 +96,7 @@ class TensorParallel(Strategy):
         self.dp = self.ctx.world_size // self.tp
         self.mesh = Mesh({"dp": self.dp, "tp": self.tp}, device_type=self.ctx.device.type)
         self.tp_comm, self.dp_comm = self.mesh.comm("tp"), self.mesh.comm("dp")
+        self.tp_comm.reduce_scatter_algorithm = reduce_scatter_option(cfg)
         full = self.build_model()  # same weights on every rank; each keeps its shard
         self.model = TensorParallelGPT(full, self.tp_comm, self.sp).to(self.ctx.device)
         del full

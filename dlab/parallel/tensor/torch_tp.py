@@ -79,7 +79,7 @@ class TorchTensorParallel(Strategy):
 
     @classmethod
     def problems(cls, config):
-        return super().problems(config) + tensor_parallel_problems(config)
+        return super().problems(config) + tensor_parallel_problems(config, ("tp", "sequence_parallel"))
 
     def setup(self) -> None:
         self.tp, self.sp = tp_options(self.ctx.config)

@@ -19,7 +19,10 @@ master is a separate fp32 copy counted with the optimizer state, K = 12.
 ``options``: ``mixed_precision`` (bool, default False), ``offload_optimizer`` (bool, default
 False: masters and Adam state live in host memory and the step runs there; on a CPU-only
 machine the move is a no-op and the bytes are reported as ``offloaded`` instead of
-``optimizer``), and stage-specific ones (``prefetch`` for stage 3).
+``optimizer``), ``reduce_scatter`` (``"backend"``, default, or ``"ring"``: dlab's own ring
+reduce-scatter of the gradients, (N-1)/N of them per rank where Gloo's reduce-scatter, a whole
+all-reduce, writes twice that; it runs synchronously, so it does not overlap backward), and
+stage-specific ones (``prefetch`` for stage 3).
 
 Memory, counted from the tensors held when ``memory()`` is called (after the step):
 ``parameters`` what a rank keeps between steps (full replica in stages 1-2, shards in stage 3),
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlab import checkpoint
+from dlab.comm.instrumented import REDUCE_SCATTER_OPTION, reduce_scatter_option, reduce_scatter_problems
 from dlab.data import shard
 from dlab.estimate.memory import zero_memory
 from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
@@ -119,20 +123,22 @@ class ZeroStrategy(Strategy):
     @classmethod
     def problems(cls, config):
         p = super().problems(config)
-        unknown = sorted(set(config.options) - set(cls.OPTIONS))
+        known = (*cls.OPTIONS, REDUCE_SCATTER_OPTION)
+        unknown = sorted(set(config.options) - set(known))
         if unknown:
             p.append(f"unknown option(s) {unknown} for strategy {config.strategy!r}; it takes "
-                     f"{list(cls.OPTIONS)}")
+                     f"{list(known)}")
         for key in cls.OPTIONS:
             value = config.options.get(key, False)
             if not isinstance(value, bool):
                 p.append(f"option {key} must be True or False (got {value!r})")
-        return p + data_parallel_problems(config, config.world_size)
+        return p + reduce_scatter_problems(config) + data_parallel_problems(config, config.world_size)
 
     # --- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
         ctx, opts = self.ctx, self.ctx.config.options
         self.mixed = opts.get("mixed_precision", False)
+        ctx.comm.reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
         self.offload = opts.get("offload_optimizer", False)
         self.dtype = torch.bfloat16 if self.mixed else torch.float32
         self.opt_device = torch.device("cpu") if self.offload else ctx.device
