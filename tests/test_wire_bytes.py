@@ -9,6 +9,7 @@ empty at 4 ranks), and the formula, which walks Gloo's segments, is exact there 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -19,10 +20,15 @@ EVEN = (4096, 4 << 20)
 UNEVEN = (4004,)
 
 
-def _measure(comm, op: str, fn) -> int:
+def _measure(comm, op: str, fn, *args, **kwargs):
+    """(the bytes measured on the wire for ``fn(*args)``, booked under ``op``; what fn returned)"""
     before = comm.stats[op].wire_bytes or 0
-    fn()
-    return comm.stats[op].wire_bytes - before
+    out = fn(*args, **kwargs)
+    return comm.stats[op].wire_bytes - before, out
+
+
+def _wire(comm, op: str, fn, *args, **kwargs) -> int:
+    return _measure(comm, op, fn, *args, **kwargs)[0]
 
 
 def backend_cases() -> dict:
@@ -36,33 +42,33 @@ def backend_cases() -> dict:
     got = {}
     for s in EVEN + UNEVEN:
         x = torch.ones(s // 4)
-        got["all_reduce", s] = (_measure(comm, "all_reduce", lambda: comm.all_reduce(x)),
+        got["all_reduce", s] = (_wire(comm, "all_reduce", comm.all_reduce, x),
                                 model.gloo_all_reduce_bytes(s, n, r))
         xs = torch.ones(s // 4 // n * n)
         out = torch.empty(xs.numel() // n)
         got["reduce_scatter", s] = (
-            _measure(comm, "reduce_scatter", lambda: comm.reduce_scatter_tensor(out, xs)),
+            _wire(comm, "reduce_scatter", comm.reduce_scatter_tensor, out, xs),
             model.gloo_reduce_scatter_bytes(xs.numel() * 4, n, r))
         got["all_reduce_same_input", s] = (
-            _measure(comm, "all_reduce", lambda: comm.all_reduce(xs.clone())),
+            _wire(comm, "all_reduce", comm.all_reduce, xs.clone()),
             model.gloo_all_reduce_bytes(xs.numel() * 4, n, r))
         gathered = torch.empty(xs.numel())
         got["all_gather", s] = (
-            _measure(comm, "all_gather", lambda: comm.all_gather_into_tensor(gathered, out)),
+            _wire(comm, "all_gather", comm.all_gather_into_tensor, gathered, out),
             model.gloo_all_gather_bytes(xs.numel() * 4, n))
         for root in range(n):
             got["broadcast", s, root] = (
-                _measure(comm, "broadcast", lambda: comm.broadcast(x, root)),  # noqa: B023
+                _wire(comm, "broadcast", comm.broadcast, x, root),
                 model.gloo_broadcast_bytes(s, n, r, root))
         y = torch.empty_like(xs)
         got["all_to_all", s] = (
-            _measure(comm, "all_to_all", lambda: comm.all_to_all_single(y, xs)),
+            _wire(comm, "all_to_all", comm.all_to_all_single, y, xs),
             model.gloo_all_to_all_bytes(xs.numel() * 4 // n * (n - 1), n))
         peer = r ^ 1  # pairs (0, 1), (2, 3)
         if r % 2 == 0:
-            got["send", s] = (_measure(comm, "send", lambda: comm.send(x, peer)), model.gloo_send_bytes(s))
+            got["send", s] = (_wire(comm, "send", comm.send, x, peer), model.gloo_send_bytes(s))
         else:
-            got["recv", s] = (_measure(comm, "recv", lambda: comm.recv(x, peer)), model.gloo_recv_bytes())
+            got["recv", s] = (_wire(comm, "recv", comm.recv, x, peer), model.gloo_recv_bytes())
     # uneven all_to_all: rank r sends (r + j) % 3 rows of 5 floats to rank j
     splits = [(r + j) % 3 for j in range(n)]
     counts = torch.tensor(splits)
@@ -71,7 +77,7 @@ def backend_cases() -> dict:
     out_splits = [int(e[r]) for e in everyone]
     inp, res = torch.ones(sum(splits), 5), torch.empty(sum(out_splits), 5)
     got["all_to_all_uneven"] = (
-        _measure(comm, "all_to_all", lambda: comm.all_to_all_single(res, inp, out_splits, splits)),
+        _wire(comm, "all_to_all", comm.all_to_all_single, res, inp, out_splits, splits),
         model.gloo_all_to_all_bytes((sum(splits) - splits[r]) * 20, n))
     return got
 
@@ -96,25 +102,22 @@ def algorithm_cases() -> dict:
         x = torch.ones(numel)
         if name == "shm":
             fn(x)  # the first call maps the buffers (two more barriers); measure the second
-        reports = []
-        wire = _measure(comm, name, lambda: reports.append(comm.run_algorithm(  # noqa: B023
-            name, numel * 4, lambda: fn(x))))  # noqa: B023
+        wire, report = _measure(comm, name, comm.run_algorithm, name, numel * 4, functools.partial(fn, x))
         # shm moves the data through shared memory: on the wire only its three dissemination
         # barriers, ceil(log2 N) rounds of a 1-byte message each way
         expected = 3 * math.ceil(math.log2(n)) * (1 + model.gloo_framing(1, 1)) if name == "shm" \
-            else framed(reports[0])
-        got[name] = (wire, expected, reports[0].sent_bytes)
+            else framed(report)
+        got[name] = (wire, expected, report.sent_bytes)
     x = torch.ones(numel // n * n)
     out = torch.empty(numel // n)
     for name, call in {
-        "reduce_scatter": lambda: reduce_scatter(out, x),
-        "all_gather": lambda: all_gather(x, out),
-        "broadcast": lambda: broadcast(x, src=1),
-        "all_to_all": lambda: all_to_all(torch.empty_like(x), x),
+        "reduce_scatter": functools.partial(reduce_scatter, out, x),
+        "all_gather": functools.partial(all_gather, x, out),
+        "broadcast": functools.partial(broadcast, x, src=1),
+        "all_to_all": functools.partial(all_to_all, torch.empty_like(x), x),
     }.items():
-        reports = []
-        wire = _measure(comm, name, lambda: reports.append(comm.run_algorithm(name, 0, call)))  # noqa: B023
-        got["collective " + name] = (wire, framed(reports[0]), reports[0].sent_bytes)
+        wire, report = _measure(comm, name, comm.run_algorithm, name, 0, call)
+        got["collective " + name] = (wire, framed(report), report.sent_bytes)
     return got
 
 
@@ -134,14 +137,19 @@ def overlap_and_exclusion_cases(tmp: str) -> dict:
     ar = model.gloo_all_reduce_bytes(s, n, r)
     got = {}
     a, b = torch.ones(s // 4), torch.ones(s // 4)
-    got["two all_reduces in flight"] = (_measure(comm, "all_reduce", lambda: [
-        w.wait() for w in [comm.all_reduce(a, async_op=True), comm.all_reduce(b, async_op=True)]]),
-        2 * ar)
+    def both(first, second):
+        for w in [first(), second()]:
+            w.wait()
+
+    got["two all_reduces in flight"] = (_wire(comm, "all_reduce", both,
+                                              lambda: comm.all_reduce(a, async_op=True),
+                                              lambda: comm.all_reduce(b, async_op=True)), 2 * ar)
     g = torch.empty(s // 4)
-    got["all_reduce + all_gather in flight"] = (_measure(comm, OVERLAPPED, lambda: [
-        w.wait() for w in [comm.all_reduce(a, async_op=True),
-                           comm.all_gather_into_tensor(g, b[:s // 4 // n], async_op=True)]]),
+    got["all_reduce + all_gather in flight"] = (
+        _wire(comm, OVERLAPPED, both, lambda: comm.all_reduce(a, async_op=True),
+              lambda: comm.all_gather_into_tensor(g, b[:s // 4 // n], async_op=True)),
         ar + model.gloo_all_gather_bytes(s, n))
+    assert comm.stats["all_gather"].wire_bytes == 0, "a mixed period is booked whole, apart"
 
     def writer(path, rounds, registered):
         def body():
@@ -173,9 +181,7 @@ def overlap_and_exclusion_cases(tmp: str) -> dict:
             threads[0].join()
             return report
 
-        reports = []
-        wire = _measure(comm, "ring", lambda: reports.append(comm.run_algorithm("ring", 0, call)))  # noqa: B023
-        rep = reports[0]
+        wire, rep = _measure(comm, "ring", comm.run_algorithm, "ring", 0, call)
         got["file writer", registered] = (
             wire, rep.sent_bytes + model.gloo_framing(rep.sent_pieces, rep.recv_pieces)
             + (0 if registered else 66 << 16))
@@ -216,3 +222,21 @@ def test_busy_periods_and_off_wire_threads(world_size, runs_dir, tmp_path):
         for case, (wire, gloo) in got.items():
             # ("file writer", False) is the control: not registered, its 66 x 64 KiB count too
             assert wire == gloo, f"rank {r} {case}: measured {wire} B, expected {gloo} B"
+
+
+def test_async_checkpoint_thread_stays_off_the_wire(runs_dir):
+    """zero2 saving a checkpoint after every step from its writer thread, while the next step
+    runs: every step's measured bytes are still exactly Gloo's for the step."""
+    from dlab.estimate.memory import model_units, zero_wire_bytes
+
+    config = {"model": "gpt", "batch_size": 8, "steps": 4,
+              "model_options": {"n_layer": 3, "d_model": 64, "n_head": 2, "seq_len": 32}}
+    run = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, checkpoint_every=1,
+                      checkpoint_async=True, **config)
+    units = model_units("gpt", config["model_options"])
+    from dlab.estimate import comm as model
+    for r in range(2):
+        want = zero_wire_bytes(units, 2, r, 2) + model.gloo_all_reduce_bytes(4, 2, r)
+        steps = run.metrics(r)
+        assert len(steps) == 4 and all("checkpoint_s" in m for m in steps)
+        assert [m["comm"]["wire_bytes"] for m in steps] == [want] * 4

@@ -226,7 +226,8 @@ def gloo_all_reduce_bytes(nbytes: int, n: int, rank: int, element_size: int = 4,
         for i in range(segments - per_rank):
             send = min(seg, nbytes - (send_first * per_rank + i) * seg % span)
             recv = min(seg, nbytes - (recv_first * per_rank + i) * seg % span)
-            written += (send + gloo_framing(1, 0) if send > 0 else 0) + (gloo_framing(0, 1) if recv > 0 else 0)
+            written += send + gloo_framing(1, 0) if send > 0 else 0
+            written += gloo_framing(0, 1) if recv > 0 else 0
     return written
 
 

@@ -12,24 +12,25 @@ different tokens of the same model.
 What it buys: activation memory per rank falls as 1/n with the ring (long sequences fit), at
 the price of K/V traffic per layer, which grows with the sequence, not with the model.
 
-``options``: ``attention`` = ``"ring"`` (default) or ``"allgather"``; ``layout`` =
-``"zigzag"`` (default) or ``"contiguous"``; ``cp`` = the context-parallel degree (default:
-every rank); ``reduce_scatter`` = ``"backend"`` (default) or ``"ring"`` (the all-gather
-attention's backward reduce-scatter by dlab's own ring, half the bytes of Gloo's). With fewer, the ranks form ``Mesh({"dp": world/cp, "cp": cp})``: each group of cp
-adjacent ranks shares a slice of the batch and splits its sequences (CP x DP). The gradient
-all-reduce then runs over every rank, since each one's gradient covers different tokens.
+``options``: ``attention`` = ``"ring"`` (default) or ``"allgather"``; ``layout`` = ``"zigzag"``
+(default) or ``"contiguous"``; ``cp`` = the context-parallel degree (default: every rank);
+``reduce_scatter`` = ``"backend"`` (default) or ``"ring"`` (the all-gather attention's backward
+reduce-scatter by dlab's own ring, half the bytes of Gloo's). With fewer, the ranks form
+``Mesh({"dp": world/cp, "cp": cp})``: each group of cp adjacent ranks shares a slice of the
+batch and splits its sequences (CP x DP). The gradient all-reduce then runs over every rank,
+since each one's gradient covers different tokens.
 """
 from __future__ import annotations
 
 import functools
 
+from dlab.comm.instrumented import REDUCE_SCATTER_OPTION, reduce_scatter_option, reduce_scatter_problems
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
 from dlab.parallel.base import WholeModel, data_parallel_problems
 from dlab.parallel.context import layout
 from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
-from dlab.comm.instrumented import REDUCE_SCATTER_OPTION, reduce_scatter_option, reduce_scatter_problems
 from dlab.parallel.data_parallel.replica import unknown_options
 from dlab.parallel.mesh import Mesh
 

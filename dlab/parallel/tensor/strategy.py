@@ -1,10 +1,10 @@
 """The ``tp`` strategy: Megatron-style tensor parallelism, optionally with sequence parallelism,
 combined with data parallelism when there are more ranks than the tensor-parallel degree.
 
-``options``: ``tp`` (the tensor-parallel degree t, default: every rank),
-``sequence_parallel`` (default False) and ``reduce_scatter`` (``"backend"``, default, or
-``"ring"``: sequence parallelism's reduce-scatters by dlab's own ring, (N-1)/N of the input per
-rank where Gloo's, a whole all-reduce, writes twice that). Ranks form a ``Mesh({"dp": world/t, "tp": t})``: the t
+``options``: ``tp`` (the tensor-parallel degree t, default: every rank), ``sequence_parallel``
+(default False) and ``reduce_scatter`` (``"backend"``, default, or ``"ring"``: sequence
+parallelism's reduce-scatters by dlab's own ring, (N-1)/N of the input per rank where Gloo's, a
+whole all-reduce, writes twice that). Ranks form a ``Mesh({"dp": world/t, "tp": t})``: the t
 ranks of one tensor-parallel group are adjacent (on one node, where the bandwidth is) and take
 the same data-parallel slice of the global batch; the data-parallel replicas all-reduce their
 gradients after backward, like plain DDP.
