@@ -47,6 +47,7 @@ def _minus(a, b):
 def _delta(after: OpStats, before: OpStats | None) -> dict:
     before = before or OpStats()
     return {"calls": after.calls - before.calls,
+            "payload_bytes": after.payload_bytes - before.payload_bytes,
             "sent_bytes": after.sent_bytes - before.sent_bytes,
             "recv_bytes": after.recv_bytes - before.recv_bytes,
             "seconds": after.seconds - before.seconds,

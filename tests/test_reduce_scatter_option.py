@@ -73,3 +73,25 @@ def test_bad_reduce_scatter_option_is_refused():
         with pytest.raises(ConfigError, match="reduce_scatter"):
             RunConfig(strategy=strategy, world_size=2, model="gpt",
                       options={"reduce_scatter": "tree"}).validate()
+
+
+CP_GPT = {"model": "gpt", "batch_size": 8, "steps": 4,
+          "model_options": {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 32}}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_context_parallel_allgather_reduce_scatter_option(n, runs_dir, reference):
+    """The all-gather attention's backward reduce-scatter by dlab's ring: same training, and its
+    measured bytes are the ring's."""
+    run = dlab.launch("cp", n, runs_dir=runs_dir, wait=True, save_final=True,
+                      options={"attention": "allgather", "reduce_scatter": "ring"}, **CP_GPT)
+    assert_same_training(run, reference(**CP_GPT))
+    layers = CP_GPT["model_options"]["n_layer"]
+    for r in range(n):
+        for m in run.metrics(r):
+            rs = m["comm_by_op"]["reduce_scatter"]
+            assert rs["calls"] == layers
+            assert rs["wire_bytes"] == rs["gloo_bytes"], (r, rs)
+            # each call reduce-scatters the layer's gathered K/V gradient: S = n x 2 b h t/n d x 4
+            s = rs["payload_bytes"] // layers
+            assert rs["wire_bytes"] == layers * model.ring_reduce_scatter_wire(s, n)
