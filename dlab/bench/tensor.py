@@ -7,12 +7,13 @@ time; the bytes one rank sends per transformer layer per step, as the *ring mode
 started by ``dlab.spawn``) beside ``dlab.estimate.tensor.layer_bytes``, and *measured* on the
 wire in the same pass (``layer_wire_bytes``, ``dlab.comm.wire``); the whole step's bytes from
 the run: ``step_model_bytes`` (ring model) beside ``step_bytes``' formula, and
-``step_wire_bytes`` (measured, the step's total, the logged loss's all-reduce included) beside
-``step_gloo_bytes`` (the model of Gloo's real algorithms applied to the step's calls); the
-activation bytes each rank saves for backward (``ActivationMeter``) beside dlab's count and
-beside Korthikanti et al.'s per-layer formula (fp16, dropout, materialised softmax: a different
-model, shown for the shape of the saving). Then PyTorch's ``parallelize_module`` (``torch-tp``)
-on the same model and batch, as ratios dlab / PyTorch of step time and activation memory.
+``step_wire_bytes`` (measured, the strategy's collectives: the step's total less the logged
+loss's mean, which goes round ``Comm``) beside ``step_gloo_bytes`` (the model of Gloo's real
+algorithms applied to the step's calls); the activation bytes each rank saves for backward
+(``ActivationMeter``) beside dlab's count and beside Korthikanti et al.'s per-layer formula
+(fp16, dropout, materialised softmax: a different model, shown for the shape of the saving).
+Then PyTorch's ``parallelize_module`` (``torch-tp``) on the same model and batch, as ratios dlab
+/ PyTorch of step time and activation memory.
 """
 from __future__ import annotations
 
@@ -56,20 +57,20 @@ def _steady(run, key: str, rank: int = 0) -> float:
 
 
 def _wire(run):
-    """Rank 0's measured bytes per step (median after the first step), "" if not measurable."""
+    """Rank 0's measured bytes per step of the strategy's own collectives (the step's total less
+    what no ``Comm`` op took, the logged loss's mean), median after the first step; "" if not
+    measurable."""
     ms = run.metrics(0)[1:] or run.metrics(0)
-    wire = [m["comm"].get("wire_bytes") for m in ms]
-    return "" if None in wire else median(wire)
+    if any(m["comm"].get("wire_bytes") is None for m in ms):
+        return ""
+    return median([m["comm"]["wire_bytes"] - m["comm_by_op"]["outside_comm"]["wire_bytes"] for m in ms])
 
 
-def _gloo(run, world_size: int):
-    """The model of Gloo's algorithms for rank 0's step: what ``Comm`` recorded for its calls,
-    plus the logged loss's all-reduce of one float."""
-    from dlab.estimate.comm import gloo_all_reduce_bytes
-
+def _gloo(run):
+    """The model of Gloo's algorithms for rank 0's step, as ``Comm`` recorded it for its calls."""
     ms = run.metrics(0)[1:] or run.metrics(0)
     gloo = [m["comm"].get("gloo_bytes") for m in ms]
-    return "" if None in gloo else median(gloo) + gloo_all_reduce_bytes(4, world_size, 0)
+    return "" if None in gloo else median(gloo)
 
 
 def _activations(run) -> int:
@@ -106,7 +107,7 @@ def run(quick: bool = False) -> list[dict]:
                 "step_model_bytes": median([m["comm"]["sent_bytes"] for m in mine.metrics(0)]),
                 "step_model_bytes_formula": est.step_bytes(model, BATCH, t, 1, sp)["total"],
                 "step_wire_bytes": _wire(mine),
-                "step_gloo_bytes": _gloo(mine, t),
+                "step_gloo_bytes": _gloo(mine),
                 "act_bytes": _activations(mine),
                 "act_formula": acts["total"],
                 "korthikanti_layers": model["n_layer"] * est.korthikanti_layer_bytes(
