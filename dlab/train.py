@@ -9,7 +9,8 @@ hand-written ones), ``gloo_bytes`` the model of Gloo's real algorithms, and ``wi
 bytes this rank measurably wrote to the transport during the step (``dlab.comm.wire``; None
 where not measurable: NCCL, not Linux). ``comm_by_op`` splits them per operation; the step's
 measured bytes that no ``Comm`` operation took (a collective called on ``torch.distributed``
-directly, such as the logged loss's mean) appear there as ``outside_comm``. Everything the rank
+directly, such as the logged loss's mean) appear there as ``outside_comm``; overlapping ops of
+different kinds share one ``overlapped:<ops>`` entry (``dlab.comm.wire``). Everything the rank
 writes itself (this record, timeline, logs) is written after the step's window closes.
 """
 from __future__ import annotations
@@ -83,12 +84,12 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
         state["step"] = ctx.timeline.step = step
         faults.maybe_inject(cfg.fault, ctx.rank, step, attempt)
         batch = data.global_batch(step)
+        wire_start = meter.cut()  # an op still in flight from the last step is charged there
         before = _comm_totals(strategy)
-        wire_start = meter.read()
         start, wall = time.perf_counter(), ctx.timeline.now()
         loss = strategy.step(batch)
         seconds = time.perf_counter() - start
-        wire_end = meter.read()
+        wire_end = meter.cut()  # ... and one still in flight now, here, for what it wrote so far
         ctx.timeline.add("step", wall, ctx.timeline.now())
         comm, comm_by_op = _comm_record(strategy, before, _comm_totals(strategy),
                                         None if wire_start is None else wire_end - wire_start)

@@ -128,7 +128,7 @@ def overlap_and_exclusion_cases(tmp: str) -> dict:
 
     import torch
 
-    from dlab.comm.instrumented import OVERLAPPED, Comm
+    from dlab.comm.instrumented import Comm
     from dlab.comm.wire import meter
     from dlab.estimate import comm as model
 
@@ -146,7 +146,7 @@ def overlap_and_exclusion_cases(tmp: str) -> dict:
                                               lambda: comm.all_reduce(b, async_op=True)), 2 * ar)
     g = torch.empty(s // 4)
     got["all_reduce + all_gather in flight"] = (
-        _wire(comm, OVERLAPPED, both, lambda: comm.all_reduce(a, async_op=True),
+        _wire(comm, "overlapped:all_gather+all_reduce", both, lambda: comm.all_reduce(a, async_op=True),
               lambda: comm.all_gather_into_tensor(g, b[:s // 4 // n], async_op=True)),
         ar + model.gloo_all_gather_bytes(s, n))
     assert comm.stats["all_gather"].wire_bytes == 0, "a mixed period is booked whole, apart"

@@ -17,7 +17,7 @@ payload bytes, time, and three byte figures that must not be confused:
 
 - ``wire_bytes``, *measured*: what this rank's process wrote to the transport during the op
   (``dlab.comm.wire``; busy periods of overlapping async ops are booked whole, mixed ones under
-  ``"overlapped"``). ``None`` where the backend's bytes cannot be seen (NCCL, not Linux).
+  ``"overlapped:<ops>"``). ``None`` where the backend's bytes cannot be seen (NCCL, not Linux).
 - ``gloo_bytes``, the model of *Gloo's real algorithm* with its framing
   (``dlab.estimate.comm.gloo_*``): what ``wire_bytes`` should be on Gloo, and is, exactly, in
   tests/test_wire_bytes.py. Gloo's reduce-scatter is a whole all-reduce, twice the ring's
@@ -90,10 +90,10 @@ class _Timed:
     window closes when the op completes (its future's callback, where the backend has one) or
     at ``wait()``, whichever comes first."""
 
-    def __init__(self, work, stats: OpStats, start: float, measured: bool):
+    def __init__(self, work, stats: OpStats, start: float, token):
         self.work, self.stats, self.start = work, stats, start
-        self._open, self._lock = measured, threading.Lock()
-        if measured:
+        self._token, self._lock = token, threading.Lock()
+        if token is not None:
             try:
                 work.get_future().add_done_callback(lambda _: self._close())
             except (RuntimeError, AttributeError):  # Gloo's send/recv works have no future
@@ -101,9 +101,9 @@ class _Timed:
 
     def _close(self) -> None:
         with self._lock:
-            if self._open:
-                self._open = False
-                meter.end()
+            if self._token is not None:
+                token, self._token = self._token, None
+                meter.end(token)
 
     def wait(self):
         self.work.wait()
@@ -156,18 +156,18 @@ class Comm:
     def _run(self, op: str, payload: int, sent: float, recv: float, call, async_op: bool,
              gloo: int | None = None):
         stats = self.record(op, payload, sent, recv, gloo=gloo)
-        measured = self.measurable and meter.begin(self, op, stats)
+        token = meter.begin(self, op, stats) if self.measurable else None
         start = time.perf_counter()
         try:
             work = call()
         except BaseException:
-            if measured:
-                meter.end()
+            if token is not None:
+                meter.end(token)
             raise
         if async_op:
-            return _Timed(work, stats, start, measured)
-        if measured:
-            meter.end()
+            return _Timed(work, stats, start, token)
+        if token is not None:
+            meter.end(token)
         stats.seconds += time.perf_counter() - start
         return None
 
@@ -219,13 +219,13 @@ class Comm:
         """Run one of dlab's hand-written algorithms (``call()`` returns its ``Report``) inside a
         wire window, and record the bytes it counted as the model."""
         stats = self.stats[op]
-        measured = self.measurable and meter.begin(self, op, stats)
+        token = meter.begin(self, op, stats) if self.measurable else None
         start = time.perf_counter()
         try:
             report = call()
         finally:
-            if measured:
-                meter.end()
+            if token is not None:
+                meter.end(token)
         self.record(op, payload, report.sent_bytes, report.recv_bytes, time.perf_counter() - start,
                     gloo=report.sent_bytes + model.gloo_framing(report.sent_pieces, report.recv_pieces))
         return report

@@ -30,14 +30,21 @@ see (NCCL: NVLink, InfiniBand verbs), the figure is ``None``: not measurable, mo
 Overlapping asynchronous operations (DDP buckets in flight, ZeRO-3 prefetch) share the wire:
 the meter measures *busy periods*, from the first operation launched while none is in flight
 to the completion of the last. A period whose operations are all one kind on one ``Comm`` is
-booked to that operation; a mixed period is booked, whole, under ``OVERLAPPED`` on the ``Comm``
-that opened it. Nothing is split by a model, and the sum over all entries is exact.
+booked to that operation; a mixed period is booked, whole, under ``"overlapped:<its ops>"``
+(e.g. ``overlapped:all_gather+reduce_scatter``) on the ``Comm`` that opened it. Nothing is
+split by a model, and the sum over all entries is exact. ``dlab.train`` cuts an open period at
+each step boundary (``cut``), so a step is charged exactly what was written during it.
+A period also takes whatever else went on the wire while it was open without a ``Comm``: a
+collective called on ``torch.distributed`` directly (the logged loss's mean while an
+asynchronous push is in flight, a parameter-server thread's raw receives). Outside periods such
+bytes show in the step's record as ``outside_comm``.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
+from dataclasses import dataclass
 
 OVERLAPPED = "overlapped"
 _WCHAR = b"wchar:"
@@ -64,9 +71,9 @@ class WireMeter:
         self._pid = -1
         self._off: dict[int, tuple[int, int]] = {}  # live off-wire thread -> (its io file, count then)
         self._off_done = 0  # what finished off-wire threads wrote while registered
-        self._in_flight = 0
+        self._in_flight: list[_Op] = []
         self._period_start = 0
-        self._period_ops: list[tuple] = []  # (comm, op name, stats) of the open period
+        self._period_ops: list[_Op] = []  # every op of the open period
 
     @property
     def available(self) -> bool:
@@ -128,30 +135,53 @@ class WireMeter:
                 os.close(fd)
 
     # busy periods --------------------------------------------------------------------------
-    def begin(self, comm, op: str, stats) -> bool:
-        """An operation is launched; returns False where nothing can be measured."""
+    def begin(self, comm, op: str, stats) -> _Op | None:
+        """An operation is launched; returns its token for ``end``, or None where nothing can
+        be measured."""
         if self._open() is None:
-            return False
+            return None
+        token = _Op(comm, op, stats)
         with self._lock:
-            if self._in_flight == 0:
+            if not self._in_flight:
                 self._period_start, self._period_ops = self.read(), []
-            self._in_flight += 1
-            self._period_ops.append((comm, op, stats))
-            return True
+            self._in_flight.append(token)
+            self._period_ops.append(token)
+        return token
 
-    def end(self) -> None:
-        """An operation has completed; closing the period books its bytes."""
+    def end(self, token: _Op) -> None:
+        """The operation has completed; when none is left in flight the period is booked."""
         with self._lock:
-            self._in_flight -= 1
+            self._in_flight.remove(token)
+            if not self._in_flight:
+                self._book(self.read())
+
+    def cut(self) -> int | None:
+        """Book what an open period has written so far and go on from here (a step boundary:
+        an op still in flight, like an asynchronous push, is charged to each step for the bytes
+        it wrote in that step). Returns the counter it cut at (``read()``)."""
+        with self._lock:
+            now = self.read()
             if self._in_flight:
-                return
-            written = self.read() - self._period_start
-            kinds = {(id(c), op) for c, op, _ in self._period_ops}
-            comm, _, stats = self._period_ops[0]
-            if len(kinds) > 1:
-                stats = comm.stats[OVERLAPPED]
-            stats.wire_bytes = (stats.wire_bytes or 0) + written
-            self._period_ops = []
+                self._book(now)
+                self._period_start, self._period_ops = now, list(self._in_flight)
+            return now
+
+    def _book(self, now: int) -> None:
+        ops = self._period_ops
+        names = sorted({t.op for t in ops})
+        first = ops[0]
+        stats = first.stats
+        if len({(id(t.comm), t.op) for t in ops}) > 1:
+            stats = first.comm.stats[f"{OVERLAPPED}:{'+'.join(names)}"]
+        stats.wire_bytes = (stats.wire_bytes or 0) + now - self._period_start
+        self._period_ops = []
+
+
+@dataclass(eq=False)  # compared by identity: two calls of one op are two tokens
+class _Op:
+    comm: object
+    op: str
+    stats: object
 
 
 meter = WireMeter()  # one per process: the counter it reads belongs to the whole process
