@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 
+from dlab.comm.wire import NOT_MEASURABLE
 from dlab.metrics import CATEGORIES
 
 MiB = 2 ** 20
@@ -19,9 +20,6 @@ MiB = 2 ** 20
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-NOT_MEASURABLE = "not measurable on this backend; model shown"
 
 
 def _wire(steady: list[dict]) -> float | None:

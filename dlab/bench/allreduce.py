@@ -24,6 +24,7 @@ import time
 
 import dlab
 from dlab.bench import compared, median
+from dlab.comm.wire import NOT_MEASURABLE
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB]
@@ -143,7 +144,8 @@ def run(quick: bool = False, world_sizes=(2, 4), runs_dir: str = "runs") -> list
                     algorithm=name, ranks=n, size=_size_label(size), ms=t * 1e3,
                     model_ms=allreduce_time(model_name, size, n, link, memory) * 1e3,
                     algbw=size / t / 1e9, metric="busbw GB/s", model_bytes=model_bytes,
-                    gloo_model_bytes=gloo_bytes, wire_bytes="" if wire_bytes is None else wire_bytes))
+                    gloo_model_bytes=gloo_bytes,
+                    wire_bytes=NOT_MEASURABLE if wire_bytes is None else wire_bytes))
         rows.append({"algorithm": "(fitted link)", "ranks": n, "alpha_us": link.alpha * 1e6,
                      "link GB/s": link.bandwidth / 1e9, "copy GB/s": memory.bandwidth / 1e9})
     return rows

@@ -22,6 +22,7 @@ import tempfile
 import torch
 
 from dlab.bench import compared, median
+from dlab.comm.wire import NOT_MEASURABLE
 from dlab.estimate import tensor as est
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 8, "seq_len": 128}
@@ -58,11 +59,11 @@ def _steady(run, key: str, rank: int = 0) -> float:
 
 def _wire(run):
     """Rank 0's measured bytes per step of the strategy's own collectives (the step's total less
-    what no ``Comm`` op took, the logged loss's mean), median after the first step; "" if not
+    what no ``Comm`` op took, the logged loss's mean), median after the first step, if
     measurable."""
     ms = run.metrics(0)[1:] or run.metrics(0)
     if any(m["comm"].get("wire_bytes") is None for m in ms):
-        return ""
+        return NOT_MEASURABLE
     return median([m["comm"]["wire_bytes"] - m["comm_by_op"]["outside_comm"]["wire_bytes"] for m in ms])
 
 
@@ -103,7 +104,7 @@ def run(quick: bool = False) -> list[dict]:
                 "step_s": _steady(mine, "step_time"),
                 "layer_model_bytes": layer_model,
                 "layer_model_bytes_formula": est.layer_bytes(model, BATCH, t, sp),
-                "layer_wire_bytes": "" if layer_wire is None else layer_wire,
+                "layer_wire_bytes": NOT_MEASURABLE if layer_wire is None else layer_wire,
                 "step_model_bytes": median([m["comm"]["sent_bytes"] for m in mine.metrics(0)]),
                 "step_model_bytes_formula": est.step_bytes(model, BATCH, t, 1, sp)["total"],
                 "step_wire_bytes": _wire(mine),

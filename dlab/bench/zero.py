@@ -32,6 +32,7 @@ import tempfile
 
 from dlab import models
 from dlab.bench import compared, median
+from dlab.comm.wire import NOT_MEASURABLE
 from dlab.estimate.comm import gloo_all_reduce_bytes
 from dlab.estimate.memory import (
     ddp_memory,
@@ -99,9 +100,9 @@ def _measure(strategy: str, n: int, steps: int, root, reduce_scatter: str = "") 
 
 
 def _wire(ms: list[dict]):
-    """Rank 0's measured bytes per step (the median after the first), or "" if not measurable."""
+    """Rank 0's measured bytes per step (the median after the first), if measurable."""
     wire = [m["comm"].get("wire_bytes") for m in ms[1:] or ms]
-    return "" if None in wire else median(wire) / 1e6
+    return NOT_MEASURABLE if None in wire else median(wire) / 1e6
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -47,6 +47,7 @@ import threading
 from dataclasses import dataclass
 
 OVERLAPPED = "overlapped"
+NOT_MEASURABLE = "not measurable on this backend; model shown"  # what every consumer says
 _WCHAR = b"wchar:"
 
 
