@@ -227,7 +227,7 @@ class Comm:
             if token is not None:
                 meter.end(token)
         self.record(op, payload, report.sent_bytes, report.recv_bytes, time.perf_counter() - start,
-                    gloo=report.sent_bytes + model.gloo_framing(report.sent_pieces, report.recv_pieces))
+                    gloo=report.message_bytes + model.gloo_framing(report.sent_pieces, report.recv_pieces))
         return report
 
     def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):

@@ -124,6 +124,7 @@ class Exchange:
             pieces = self._pieces(s.data)
             ops += [dist.P2POp(dist.isend, p, self.peer(s.peer), self.group, tag=_DATA) for p in pieces]
             self.report.sent_pieces += len(pieces)
+            self.report.message_bytes += s.data.numel() * s.data.element_size()
             self.report.sent_bytes += s.data.numel() * s.data.element_size()
             self.report.messages += 1
             if tracing:

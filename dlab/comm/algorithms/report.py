@@ -40,6 +40,7 @@ class Report:
     # each carries the backend's framing (dlab.estimate.comm.gloo_framing on Gloo)
     sent_pieces: int = 0
     recv_pieces: int = 0
+    message_bytes: int = 0  # payload sent as messages: sent_bytes, except shm (barrier tokens)
     trace: list[Transfer] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
