@@ -12,11 +12,11 @@ It is the ring's reduce-scatter + all-gather with memory reads in place of messa
 buffer is read (N-1)/N S by others in step 2 and again in step 3, so the report's bytes are the
 ring's 2 (N-1)/N S, but as memory traffic at memory bandwidth. The three barriers are
 dissemination barriers of 1-byte point-to-point messages (ceil(log2 N) rounds each, Hensgen,
-Finkel & Manber 1988), so the only messages are the synchronisation. On the wire (``dlab.comm.wire``)
-a rank writes only those tokens and Gloo's framing, 3 ceil(log2 N) x 145 bytes a call (435 at
-N = 2, 870 at N = 4, measured); the report's ``message_bytes`` counts the tokens. Any N; each chunk is
-reduced by one rank, so every rank ends with the same bits. NCCL does the same inside a node
-through NVLink / PCIe peer memory (its "P2P" and "SHM" transports).
+Finkel & Manber 1988), so the only messages are the synchronisation. On the wire
+(``dlab.comm.wire``) a rank writes only those tokens and Gloo's framing, 3 ceil(log2 N) x 145
+bytes a call (435 at N = 2, 870 at N = 4, measured); the report's ``message_bytes`` counts the
+tokens. Any N; each chunk is reduced by one rank, so every rank ends with the same bits. NCCL
+does the same inside a node through NVLink / PCIe peer memory (its "P2P" and "SHM" transports).
 
 The buffers are created on first use per group and grown (to the next power of two) when a
 larger tensor comes; each rank unlinks its file once all have mapped it, so nothing is left in
