@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dlab.comm import wire
+
 FORMAT = "dlab-checkpoint/2"
 
 
@@ -133,8 +135,10 @@ class Checkpointer:
             raise RuntimeError(f"saving a checkpoint failed: {error}") from error
 
     def _guarded(self, *args) -> None:
+        # the file writes of this thread are not wire bytes (dlab.comm.wire)
         try:
-            self._write_and_commit(*args)
+            with wire.meter.off_wire():
+                self._write_and_commit(*args)
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by wait()
             self._error = e
 

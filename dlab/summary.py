@@ -3,12 +3,16 @@
 Definitions: step time and tokens/s are medians over the steps after the first (the first step
 pays for lazy initialisation and is reported apart as ``first_step_s``); memory is each
 category's peak over the run; communication is bytes this rank sent per step and the seconds
-it spent waiting in collectives per step.
+it spent waiting in collectives per step. Two byte figures, never mixed: ``comm_sent_per_step``
+(the model: the ring model for the backend's collectives, the algorithm's own count for dlab's
+hand-written ones) and ``comm_wire_per_step`` (measured: bytes the rank wrote to the transport in
+a step, ``dlab.comm.wire``; None where not measurable, e.g. NCCL, and the table then says so).
 """
 from __future__ import annotations
 
 import statistics
 
+from dlab.comm.wire import NOT_MEASURABLE
 from dlab.metrics import CATEGORIES
 
 MiB = 2 ** 20
@@ -16,6 +20,11 @@ MiB = 2 ** 20
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def _wire(steady: list[dict]) -> float | None:
+    wire = [m["comm"].get("wire_bytes") for m in steady]
+    return None if None in wire else _median(wire)
 
 
 class Summary:
@@ -40,6 +49,7 @@ class Summary:
                 "mfu": _median([m["mfu"] for m in steady]),
                 "memory": memory, "memory_total": sum(memory.values()),
                 "comm_sent_per_step": _median([m["comm"]["sent_bytes"] for m in steady]),
+                "comm_wire_per_step": _wire(steady),
                 "comm_s_per_step": _median([m["comm"]["seconds"] for m in steady]),
             })
         return cls(run.path.name, run.state, rows)
@@ -49,7 +59,8 @@ class Summary:
 
     def table(self) -> tuple[list[str], list[list[str]]]:
         head = ["rank", "steps", "loss", "step ms", "tok/s", "MFU", "params MiB", "grads MiB",
-                "optim MiB", "activ MiB", "comm MiB/step", "comm ms/step"]
+                "optim MiB", "activ MiB", "model comm MiB/step", "wire MiB/step (measured)",
+                "comm ms/step"]
         body = []
         for r in self.rows:
             if not r["steps"]:
@@ -62,6 +73,7 @@ class Summary:
                          f"{m['gradients'] / MiB:.2f}", f"{m['optimizer'] / MiB:.2f}",
                          f"{m['activations'] / MiB:.2f}",
                          f"{r['comm_sent_per_step'] / MiB:.3f}",
+                         "-" if r["comm_wire_per_step"] is None else f"{r['comm_wire_per_step'] / MiB:.3f}",
                          f"{1e3 * r['comm_s_per_step']:.1f}"])
         return head, body
 
@@ -71,7 +83,15 @@ class Summary:
                   for i, h in enumerate(head)]
         line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
         return "\n".join([f"{self.name}: {self.state}", line(head),
-                          "  ".join("-" * w for w in widths), *map(line, body)])
+                          "  ".join("-" * w for w in widths), *map(line, body), *self.notes()])
+
+    def notes(self) -> list[str]:
+        """What the byte columns are; the wire column is blank where it cannot be measured."""
+        out = ["model comm: ring model for the backend's collectives, the algorithm's own count "
+               "for dlab's; wire: measured bytes written to the transport"]
+        if any(r.get("steps") and r.get("comm_wire_per_step") is None for r in self.rows):
+            out.append(f"wire: {NOT_MEASURABLE}")
+        return out
 
     __repr__ = __str__
 
@@ -79,4 +99,5 @@ class Summary:
         head, body = self.table()
         rows = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in body)
         return (f"<b>{self.name}</b>: {self.state}<table><tr>"
-                + "".join(f"<th>{h}</th>" for h in head) + f"</tr>{rows}</table>")
+                + "".join(f"<th>{h}</th>" for h in head) + f"</tr>{rows}</table>"
+                + "".join(f"<small>{n}</small><br>" for n in self.notes()))

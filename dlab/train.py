@@ -2,6 +2,16 @@
 
 Per step: inject a configured fault if this is its step, take the global batch, let the
 strategy do one optimizer step, then write one metrics record and the step's timeline events.
+
+The record's ``comm`` holds the step's communication: ``sent_bytes`` / ``recv_bytes`` the
+model (ring model for the backend's collectives, the algorithm's own count for dlab's
+hand-written ones), ``gloo_bytes`` the model of Gloo's real algorithms, and ``wire_bytes`` the
+bytes this rank measurably wrote to the transport during the step (``dlab.comm.wire``; None
+where not measurable: NCCL, not Linux). ``comm_by_op`` splits them per operation; the step's
+measured bytes that no ``Comm`` operation took (a collective called on ``torch.distributed``
+directly, such as the logged loss's mean) appear there as ``outside_comm``; overlapping ops of
+different kinds share one ``overlapped:<ops>`` entry (``dlab.comm.wire``). Everything the rank
+writes itself (this record, timeline, logs) is written after the step's window closes.
 """
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ import torch
 from dlab import faults
 from dlab.checkpoint import Checkpointer
 from dlab.comm.instrumented import OpStats
+from dlab.comm.wire import meter
 from dlab.data import make_data
 from dlab.metrics import device_peak_flops
 from dlab.parallel.base import Context, Strategy
@@ -27,12 +38,35 @@ def _comm_totals(strategy: Strategy) -> tuple[OpStats, dict[str, OpStats]]:
     return total, by_op
 
 
+OUTSIDE_COMM = "outside_comm"
+
+
+def _minus(a, b):
+    return None if a is None else a - (b or 0)
+
+
 def _delta(after: OpStats, before: OpStats | None) -> dict:
     before = before or OpStats()
     return {"calls": after.calls - before.calls,
+            "payload_bytes": after.payload_bytes - before.payload_bytes,
             "sent_bytes": after.sent_bytes - before.sent_bytes,
             "recv_bytes": after.recv_bytes - before.recv_bytes,
-            "seconds": after.seconds - before.seconds}
+            "seconds": after.seconds - before.seconds,
+            "wire_bytes": _minus(after.wire_bytes, before.wire_bytes),
+            "gloo_bytes": _minus(after.gloo_bytes, before.gloo_bytes)}
+
+
+def _comm_record(strategy: Strategy, before: tuple, after: tuple, wire: int | None) -> tuple[dict, dict]:
+    """The step's totals and per-op figures; ``wire`` is the step's measured total."""
+    (before_total, before_ops), (after_total, after_ops) = before, after
+    total = _delta(after_total, before_total)
+    by_op = {op: _delta(s, before_ops.get(op)) for op, s in after_ops.items()}
+    measurable = wire is not None and all(c.measurable for c in strategy.comms())
+    total["wire_bytes"] = wire if measurable else None
+    if measurable:
+        outside = wire - sum(d["wire_bytes"] or 0 for d in by_op.values())
+        by_op[OUTSIDE_COMM] = {**_delta(OpStats(), None), "wire_bytes": outside}
+    return total, by_op
 
 
 def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
@@ -50,20 +84,22 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
         state["step"] = ctx.timeline.step = step
         faults.maybe_inject(cfg.fault, ctx.rank, step, attempt)
         batch = data.global_batch(step)
-        before_total, before_ops = _comm_totals(strategy)
+        wire_start = meter.cut()  # an op still in flight from the last step is charged there
+        before = _comm_totals(strategy)
         start, wall = time.perf_counter(), ctx.timeline.now()
         loss = strategy.step(batch)
         seconds = time.perf_counter() - start
+        wire_end = meter.cut()  # ... and one still in flight now, here, for what it wrote so far
         ctx.timeline.add("step", wall, ctx.timeline.now())
-        after_total, after_ops = _comm_totals(strategy)
+        comm, comm_by_op = _comm_record(strategy, before, _comm_totals(strategy),
+                                        None if wire_start is None else wire_end - wire_start)
         record = {
             "step": step, "rank": ctx.rank, "attempt": attempt, "time": ctx.timeline.now(),
             "loss": loss, "step_time": seconds,
             "tokens": tokens, "tokens_per_s": tokens / seconds,
             "mfu": flops_per_token * tokens / seconds / (peak * ctx.world_size),
             "memory": strategy.memory(),
-            "comm": _delta(after_total, before_total),
-            "comm_by_op": {op: _delta(s, before_ops.get(op)) for op, s in after_ops.items()},
+            "comm": comm, "comm_by_op": comm_by_op,
         }
         if checkpointer and (step + 1) % cfg.checkpoint_every == 0:
             with ctx.timeline.span("checkpoint"):

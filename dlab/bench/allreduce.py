@@ -12,6 +12,11 @@ and beta fitted, in the same processes, to a ping-pong between ranks 0 and 1 (ha
 per message size), and for "shm" the seconds per byte of a large memory copy. It knows nothing
 of the two cores the ranks share, nor of the reduction's own memory traffic, which is why it
 flatters the large messages on 4 ranks: the notebook discusses the gap.
+
+Bytes, rank 0's, from one more untimed call: ``model_bytes`` (the ring model for Gloo's
+all_reduce, the algorithm's own count for dlab's), ``gloo_model_bytes`` (the model of what Gloo
+writes for it, framing included: ``dlab.estimate.comm.gloo_*``) and ``wire_bytes`` (measured on
+the wire, ``dlab.comm.wire``; "shm" writes only its barriers' few bytes).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import time
 
 import dlab
 from dlab.bench import compared, median
+from dlab.comm.wire import NOT_MEASURABLE
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB]
@@ -76,7 +82,7 @@ def measure(sizes: list[int], repeats: int, warmup: int, algorithms: list[str]) 
 
     from dlab.comm.algorithms import ALGORITHMS
     torch.set_num_threads(1)
-    result = {"pingpong": pingpong(PINGPONG_SIZES, max(3, repeats)), "times": {},
+    result = {"pingpong": pingpong(PINGPONG_SIZES, max(3, repeats)), "times": {}, "bytes": {},
               "copy": copy_seconds_per_byte(max(sizes))}
     for size in sizes:
         x = torch.ones(size // 4)
@@ -92,7 +98,26 @@ def measure(sizes: list[int], repeats: int, warmup: int, algorithms: list[str]) 
                 if i >= warmup:
                     times.append(t)
             result["times"][(name, size)] = median(times)
+            result["bytes"][(name, size)] = _bytes_once(name, fn, x)
     return result
+
+
+def _bytes_once(name: str, fn, x) -> tuple:
+    """One more call, untimed, through a fresh ``Comm``: (model bytes sent, the model of Gloo's
+    algorithm, bytes measured on the wire) on this rank. The model is the ring's for "gloo" and
+    the algorithm's own count otherwise."""
+    import functools
+
+    from dlab.comm.instrumented import Comm
+
+    comm = Comm()
+    if name == "gloo":
+        comm.all_reduce(x)
+        stats = comm.stats["all_reduce"]
+    else:
+        comm.run_algorithm(name, x.numel() * x.element_size(), functools.partial(fn, x))
+        stats = comm.stats[name]
+    return stats.sent_bytes, stats.gloo_bytes, stats.wire_bytes
 
 
 def run(quick: bool = False, world_sizes=(2, 4), runs_dir: str = "runs") -> list[dict]:
@@ -113,11 +138,14 @@ def run(quick: bool = False, world_sizes=(2, 4), runs_dir: str = "runs") -> list
             for name in ["gloo", *names]:
                 t = res["times"][(name, size)]
                 model_name = "ring" if name == "gloo" else name  # Gloo's large all_reduce is a ring
+                model_bytes, gloo_bytes, wire_bytes = res["bytes"][(name, size)]
                 rows.append(compared(
                     bus_bandwidth(size, t, n) / 1e9, bus_bandwidth(size, gloo, n) / 1e9,
                     algorithm=name, ranks=n, size=_size_label(size), ms=t * 1e3,
                     model_ms=allreduce_time(model_name, size, n, link, memory) * 1e3,
-                    algbw=size / t / 1e9, metric="busbw GB/s"))
+                    algbw=size / t / 1e9, metric="busbw GB/s", model_bytes=model_bytes,
+                    gloo_model_bytes=gloo_bytes,
+                    wire_bytes=NOT_MEASURABLE if wire_bytes is None else wire_bytes))
         rows.append({"algorithm": "(fitted link)", "ranks": n, "alpha_us": link.alpha * 1e6,
                      "link GB/s": link.bandwidth / 1e9, "copy GB/s": memory.bandwidth / 1e9})
     return rows

@@ -12,9 +12,15 @@ weights and Adam state, so K = 12) at 2 and 4 ranks, one row each with:
   included; for DDP the full fp32 replica) and ``paper_MiB`` (the ZeRO paper's 2/2/12 bytes per
   parameter divided per stage; for FSDP2, whose shards stay fp32 and whose padding is per
   tensor, the same 16 Psi / N total), and ``err_pct`` = measured / formula - 1;
-- ``sent_MB``: bytes rank 0 sent per step, beside ``sent_formula_MB`` (2 x (N-1)/N of the
-  parameters' bytes for DDP and stages 1-2, 3 x for stage 3); FSDP2's traffic bypasses dlab's
-  counters and is left blank;
+- ``reduce_scatter``: the ZeRO option (``backend``: Gloo's reduce-scatter, a whole all-reduce;
+  ``ring``: dlab's ring reduce-scatter); zero2 and zero3 run both ways;
+- ``model_MB_per_step``: the *ring model* of rank 0's bytes per step as ``Comm`` counts them,
+  beside ``model_formula_MB_per_step`` (2 x (N-1)/N of the parameters' bytes for DDP and stages
+  1-2, 3 x for stage 3); FSDP2's traffic bypasses dlab's counters and is left blank;
+- ``wire_MB_per_step``: *measured*, the bytes rank 0's process wrote to Gloo's transport in a
+  step (``dlab.comm.wire``; FSDP2's included), beside ``gloo_formula_MB_per_step``, the model of
+  Gloo's real algorithms (``dlab.estimate.memory.zero_wire_bytes``, framing included, plus the
+  logged loss's all-reduce), for the dlab stages;
 - ``step_s``: median step time after the first step.
 
 Then, per world size, ``zero3`` step time against ``torch-fsdp2`` as a ``compared`` row (target:
@@ -26,7 +32,16 @@ import tempfile
 
 from dlab import models
 from dlab.bench import compared, median
-from dlab.estimate.memory import ddp_memory, model_units, paper_memory, zero_bytes_moved, zero_memory
+from dlab.comm.wire import NOT_MEASURABLE
+from dlab.estimate.comm import gloo_all_reduce_bytes
+from dlab.estimate.memory import (
+    ddp_memory,
+    model_units,
+    paper_memory,
+    zero_bytes_moved,
+    zero_memory,
+    zero_wire_bytes,
+)
 from dlab.launch import launch
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64}
@@ -52,8 +67,10 @@ def _formula(strategy: str, n: int) -> tuple[dict, float, float | None]:
     return mem, sum(by_paper.values()), zero_bytes_moved(units, n, stage, True)
 
 
-def _measure(strategy: str, n: int, steps: int, root) -> dict:
+def _measure(strategy: str, n: int, steps: int, root, reduce_scatter: str = "") -> dict:
     options = {} if strategy == "torch-ddp" else {"mixed_precision": True}
+    if reduce_scatter:
+        options["reduce_scatter"] = reduce_scatter
     run = launch(strategy, n, runs_dir=root, wait=True, steps=steps, batch_size=8,
                  model_options=MODEL, options=options)
     ms = run.metrics(0)
@@ -71,9 +88,21 @@ def _measure(strategy: str, n: int, steps: int, root) -> dict:
             **per_category,
             "model_state_MiB": measured / MiB, "formula_MiB": exact / MiB, "paper_MiB": paper / MiB,
             "err_pct": 100 * (measured / exact - 1),
-            "sent_MB": ms[-1]["comm"]["sent_bytes"] / 1e6 if sent_formula is not None else "",
-            "sent_formula_MB": sent_formula / 1e6 if sent_formula is not None else "",
+            "reduce_scatter": reduce_scatter,
+            "model_MB_per_step": ms[-1]["comm"]["sent_bytes"] / 1e6 if sent_formula is not None else "",
+            "model_formula_MB_per_step": sent_formula / 1e6 if sent_formula is not None else "",
+            "wire_MB_per_step": _wire(ms),
+            "gloo_formula_MB_per_step": (
+                (zero_wire_bytes(model_units("gpt", MODEL), n, 0, STAGE[strategy], reduce_scatter,
+                                 mixed_precision=True) + gloo_all_reduce_bytes(4, n, 0)) / 1e6
+                if reduce_scatter else ""),
             "step_s": median([m["step_time"] for m in ms[1:]])}
+
+
+def _wire(ms: list[dict]):
+    """Rank 0's measured bytes per step (the median after the first), if measurable."""
+    wire = [m["comm"].get("wire_bytes") for m in ms[1:] or ms]
+    return NOT_MEASURABLE if None in wire else median(wire) / 1e6
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -85,8 +114,12 @@ def run(quick: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
             for strategy in strategies:
-                rows.append(_measure(strategy, n, steps, tmp))
-            by = {r["strategy"]: r for r in rows if r["ranks"] == n}
+                if strategy in ("zero1", "zero2", "zero3"):
+                    for algorithm in ("backend", "ring") if strategy != "zero1" else ("backend",):
+                        rows.append(_measure(strategy, n, steps, tmp, algorithm))
+                else:
+                    rows.append(_measure(strategy, n, steps, tmp))
+            by = {r["strategy"]: r for r in rows if r["ranks"] == n and r["reduce_scatter"] != "ring"}
             timed.append(compared(by["zero3"]["step_s"], by["torch-fsdp2"]["step_s"], name="zero3 vs fsdp2",
                                   ranks=n, metric="step_s", target="<= 1.25"))
     return rows + timed

@@ -152,3 +152,25 @@ def zero_bytes_moved(units: Units, world_size: int, stage: int, mixed_precision:
         gathers = 2 if stage == 3 and not is_root else 1
         total += ring * w * padded(u, n) * (1 + gathers)  # one reduce-scatter + the gathers
     return total
+
+
+def zero_wire_bytes(units: Units, world_size: int, rank: int, stage: int,
+                    reduce_scatter: str = "backend", mixed_precision: bool = False) -> int:
+    """Bytes rank ``rank`` writes on Gloo per step in dlab's ``zero{stage}`` (the model of
+    Gloo's real algorithms, ``dlab.estimate.comm.gloo_*``, framing included), for the gradient
+    reduce-scatter by the backend (a whole all-reduce on Gloo: 2 (N-1)/N S) or by dlab's ring
+    (``reduce_scatter="ring"``: (N-1)/N S), and the parameter all-gathers. The per-step record's
+    ``wire_bytes`` measures it."""
+    from dlab.estimate import comm
+
+    _check_stage(stage)
+    n = world_size
+    w, _ = _precision(mixed_precision, "adam")
+    total = 0
+    for i, u in enumerate(units.all):
+        size = w * padded(u, n)
+        gathers = 2 if stage == 3 and not (bool(units.root) and i == 0) else 1
+        total += (comm.ring_reduce_scatter_wire(size, n) if reduce_scatter == "ring"
+                  else comm.gloo_reduce_scatter_bytes(size, n, rank, w))
+        total += gathers * comm.gloo_all_gather_bytes(size, n)
+    return total

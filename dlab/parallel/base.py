@@ -13,11 +13,18 @@ import torch
 import torch.distributed as dist
 
 from dlab import checkpoint, models
-from dlab.comm.instrumented import Comm
+from dlab.comm.instrumented import REDUCE_SCATTER_ALGORITHMS, Comm
 from dlab.config import Option, RunConfig
 from dlab.metrics import ActivationMeter, model_state_memory
 from dlab.timeline import Timeline
 
+#: the option of every strategy that reduce-scatters (ZeRO's gradients, sequence parallelism,
+#: the all-gather attention's backward): Gloo's reduce_scatter is a whole all-reduce, twice the
+#: ring's bytes, so dlab's own ring is offered beside it
+REDUCE_SCATTER = {"reduce_scatter": Option(
+    "choice", "'backend' (the backend's reduce_scatter_tensor; on Gloo a whole all-reduce) or "
+    "'ring' (dlab's ring reduce-scatter: (N-1)/N of the input per rank)",
+    default="backend", choices=REDUCE_SCATTER_ALGORITHMS)}
 
 @dataclass
 class Context:

@@ -121,8 +121,10 @@ class Exchange:
         tracing = self.holds is not None
         ops, landing, flags_in = [], [], []
         for s in sends:
-            ops += [dist.P2POp(dist.isend, p, self.peer(s.peer), self.group, tag=_DATA)
-                    for p in self._pieces(s.data)]
+            pieces = self._pieces(s.data)
+            ops += [dist.P2POp(dist.isend, p, self.peer(s.peer), self.group, tag=_DATA) for p in pieces]
+            self.report.sent_pieces += len(pieces)
+            self.report.message_bytes += s.data.numel() * s.data.element_size()
             self.report.sent_bytes += s.data.numel() * s.data.element_size()
             self.report.messages += 1
             if tracing:
@@ -144,6 +146,7 @@ class Exchange:
             first = len(ops)
             ops += [dist.P2POp(dist.irecv, p, self.peer(r.peer), self.group, tag=_DATA) for p in pieces]
             landing.append((r, dst, pieces, first))
+            self.report.recv_pieces += len(pieces)
             self.report.recv_bytes += dst.numel() * dst.element_size()
             if tracing:
                 f = torch.empty(len(r.blocks), self.size, dtype=torch.uint8)

@@ -36,6 +36,11 @@ class Report:
     messages: int = 0  # messages this rank sent
     sent_bytes: int = 0
     recv_bytes: int = 0
+    # messages on the transport: a send longer than the exchange's piece goes as several, and
+    # each carries the backend's framing (dlab.estimate.comm.gloo_framing on Gloo)
+    sent_pieces: int = 0
+    recv_pieces: int = 0
+    message_bytes: int = 0  # payload sent as messages: sent_bytes, except shm (barrier tokens)
     trace: list[Transfer] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:

@@ -12,20 +12,23 @@ different tokens of the same model.
 What it buys: activation memory per rank falls as 1/n with the ring (long sequences fit), at
 the price of K/V traffic per layer, which grows with the sequence, not with the model.
 
-``options``: ``attention`` = ``"ring"`` (default) or ``"allgather"``; ``layout`` =
-``"zigzag"`` (default) or ``"contiguous"``; ``cp`` = the context-parallel degree (default:
-every rank). With fewer, the ranks form ``Mesh({"dp": world/cp, "cp": cp})``: each group of cp
-adjacent ranks shares a slice of the batch and splits its sequences (CP x DP). The gradient
-all-reduce then runs over every rank, since each one's gradient covers different tokens.
+``options``: ``attention`` = ``"ring"`` (default) or ``"allgather"``; ``layout`` = ``"zigzag"``
+(default) or ``"contiguous"``; ``cp`` = the context-parallel degree (default: every rank);
+``reduce_scatter`` = ``"backend"`` (default) or ``"ring"`` (the all-gather attention's backward
+reduce-scatter by dlab's own ring, half the bytes of Gloo's). With fewer, the ranks form
+``Mesh({"dp": world/cp, "cp": cp})``: each group of cp adjacent ranks shares a slice of the
+batch and splits its sequences (CP x DP). The gradient all-reduce then runs over every rank,
+since each one's gradient covers different tokens.
 """
 from __future__ import annotations
 
 import functools
 
+from dlab.comm.instrumented import reduce_scatter_option
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
-from dlab.parallel.base import Option, WholeModel, data_parallel_problems
+from dlab.parallel.base import REDUCE_SCATTER, Option, WholeModel, data_parallel_problems
 from dlab.parallel.context import layout
 from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
 from dlab.parallel.mesh import Mesh
@@ -50,6 +53,7 @@ class ContextParallel(WholeModel):
         "layout": Option("choice", "how a sequence is cut over the ranks", default="zigzag",
                          choices=layout.LAYOUTS),
         "cp": Option("int", "the context-parallel degree (default: every rank)", minimum=1),
+        **REDUCE_SCATTER,
     }
 
     @classmethod
@@ -79,6 +83,7 @@ class ContextParallel(WholeModel):
         positions = [layout.positions(lay, seq_len, r, cp).to(ctx.device) for r in range(cp)]
         self.positions = positions[self.mesh.rank("cp")]
         self.model = self.build_model()
+        self.mesh.comm("cp").reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
         core = functools.partial(ATTENTION[attention], ring=Ring(self.mesh.comm("cp"), positions))
         for block in self.model.blocks:
             block.attn.core = core

@@ -1,8 +1,10 @@
 """The ``tp`` strategy: Megatron-style tensor parallelism, optionally with sequence parallelism,
 combined with data parallelism when there are more ranks than the tensor-parallel degree.
 
-``options``: ``tp`` (the tensor-parallel degree t, default: every rank) and
-``sequence_parallel`` (default False). Ranks form a ``Mesh({"dp": world/t, "tp": t})``: the t
+``options``: ``tp`` (the tensor-parallel degree t, default: every rank), ``sequence_parallel``
+(default False) and ``reduce_scatter`` (``"backend"``, default, or ``"ring"``: sequence
+parallelism's reduce-scatters by dlab's own ring, (N-1)/N of the input per rank where Gloo's, a
+whole all-reduce, writes twice that). Ranks form a ``Mesh({"dp": world/t, "tp": t})``: the t
 ranks of one tensor-parallel group are adjacent (on one node, where the bandwidth is) and take
 the same data-parallel slice of the global batch; the data-parallel replicas all-reduce their
 gradients after backward, like plain DDP.
@@ -12,10 +14,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dlab.comm.instrumented import reduce_scatter_option
 from dlab.data import shard
 from dlab.metrics import ActivationMeter, model_state_memory
 from dlab.parallel import register
-from dlab.parallel.base import Option, Strategy, data_parallel_problems
+from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
 from dlab.parallel.mesh import Mesh
 from dlab.parallel.tensor.model import TensorParallelGPT
 
@@ -23,6 +26,7 @@ OPTIONS = {
     "tp": Option("int", "the tensor-parallel degree (default: every rank)", minimum=1),
     "sequence_parallel": Option("bool", "split the sequence in the norms and dropout regions "
                                 "(Korthikanti et al.)", default=False),
+    **REDUCE_SCATTER,
 }
 
 
@@ -91,6 +95,7 @@ class TensorParallel(Strategy):
         self.dp = self.ctx.world_size // self.tp
         self.mesh = Mesh({"dp": self.dp, "tp": self.tp}, device_type=self.ctx.device.type)
         self.tp_comm, self.dp_comm = self.mesh.comm("tp"), self.mesh.comm("dp")
+        self.tp_comm.reduce_scatter_algorithm = reduce_scatter_option(cfg)
         full = self.build_model()  # same weights on every rank; each keeps its shard
         self.model = TensorParallelGPT(full, self.tp_comm, self.sp).to(self.ctx.device)
         del full

@@ -77,7 +77,8 @@ class TorchTensorParallel(Strategy):
     """PyTorch's ``parallelize_module`` (Colwise / Rowwise / SequenceParallel) on the GPT's
     blocks; options as ``tp``: ``tp`` and ``sequence_parallel``. TP x DP through a mesh."""
 
-    OPTIONS = OPTIONS
+    # PyTorch's SequenceParallel chooses its own collectives: dlab's reduce_scatter option does not apply
+    OPTIONS = {k: v for k, v in OPTIONS.items() if k != "reduce_scatter"}
 
     @classmethod
     def problems(cls, config):

@@ -19,7 +19,10 @@ master is a separate fp32 copy counted with the optimizer state, K = 12.
 ``options``: ``mixed_precision`` (bool, default False), ``offload_optimizer`` (bool, default
 False: masters and Adam state live in host memory and the step runs there; on a CPU-only
 machine the move is a no-op and the bytes are reported as ``offloaded`` instead of
-``optimizer``), and stage-specific ones (``prefetch`` for stage 3).
+``optimizer``), ``reduce_scatter`` (``"backend"``, default, or ``"ring"``: dlab's own ring
+reduce-scatter of the gradients, (N-1)/N of them per rank where Gloo's reduce-scatter, a whole
+all-reduce, writes twice that; it runs synchronously, so it does not overlap backward), and
+stage-specific ones (``prefetch`` for stage 3).
 
 Memory, counted from the tensors held when ``memory()`` is called (after the step):
 ``parameters`` what a rank keeps between steps (full replica in stages 1-2, shards in stage 3),
@@ -37,10 +40,11 @@ import torch.distributed as dist
 from torch import nn
 
 from dlab import checkpoint
+from dlab.comm.instrumented import reduce_scatter_option
 from dlab.data import shard
 from dlab.estimate.memory import zero_memory
 from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
-from dlab.parallel.base import Option, Strategy, data_parallel_problems
+from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import FlatUnit, build_units
 
 BOOL_OPTIONS = {
@@ -117,7 +121,7 @@ class ZeroStrategy(Strategy):
     parameter handling around the shared step."""
 
     stage = 0
-    OPTIONS = BOOL_OPTIONS
+    OPTIONS = {**BOOL_OPTIONS, **REDUCE_SCATTER}
 
     @classmethod
     def problems(cls, config):
@@ -127,6 +131,7 @@ class ZeroStrategy(Strategy):
     def setup(self) -> None:
         ctx, opts = self.ctx, self.ctx.config.options
         self.mixed = opts.get("mixed_precision", False)
+        ctx.comm.reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
         self.offload = opts.get("offload_optimizer", False)
         self.dtype = torch.bfloat16 if self.mixed else torch.float32
         self.opt_device = torch.device("cpu") if self.offload else ctx.device
