@@ -38,7 +38,8 @@ def assert_ranks_agree(run) -> None:
         other = final_state(run, r)
         assert other.keys() == first.keys(), r
         bad = [k for k in first if not torch.equal(other[k], first[k])]
-        assert not bad, f"rank {r}'s final {bad[:3]} differ from rank 0's (max {max_param_diff(other, first)})"
+        assert not bad, (f"rank {r}'s final {bad[:3]} differ from rank 0's "
+                         f"(max {max_param_diff(other, first)})")
 
 
 def assert_same_training(run, ref, loss_tol: float = 1e-5, param_tol: float = 1e-5) -> None:

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from helpers import TINY_GPT, assert_ranks_agree, assert_same_training, final_state, losses, max_param_diff
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import dlab
 from dlab.config import ConfigError, RunConfig

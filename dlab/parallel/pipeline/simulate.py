@@ -13,8 +13,9 @@ per stage, so stage times scale by p / n_stages. ``durations`` instead gives eve
 time, keyed ``(kind, stage, mb)``: how ``replay_ops`` re-runs a measured step.
 
 Three bubbles, each adding one thing the one before leaves out: the closed form (equal unit
-times, free communication: ``dlab.estimate.pipeline.bubble``), ``replay`` at each stage's mean
-measured op times (the same when stages are balanced; adds their imbalance), ``replay_ops`` at each op's own measured time
+times, free communication: ``dlab.estimate.pipeline.bubble``), ``replay`` at each stage's
+mean measured op times (the same when stages are balanced; adds their imbalance),
+``replay_ops`` at each op's own measured time
 (adds the jitter: in a pipeline a rank waits for the slower of its neighbours, so op times that
 scatter around one mean make idle time that no mean shows), and the measured timeline (adds
 what communication and the dispatch between actions cost).
