@@ -38,6 +38,8 @@ CASES = {
     "ddp-accumulate": ("ddp", {"bucket_cap_mb": CAP_MB, "accumulation": 2}),
     "ddp-ring": ("ddp", {"bucket_cap_mb": CAP_MB, "allreduce": "ring"}),
     "ps-async-bound0": ("ps-async", {"max_staleness": 0}),
+    # the benches' peer: DDP's C++ all-reduce, bytes read from the buckets DDP reports
+    "torch-ddp-builtin": ("torch-ddp", {"comm_hook": "builtin", "bucket_cap_mb": CAP_MB}),
 }
 
 
