@@ -122,7 +122,8 @@ def replace_once(path: Path, old: str, new: str) -> None:
 
 
 def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, list[str], float]:
-    """(pytest's exit status, the failed test ids, seconds) for ``tests`` run in ``root``."""
+    """(pytest's exit status, the failed test ids with the first line of each one's error,
+    seconds) for ``tests`` run in ``root``."""
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     start = time.monotonic()
     try:
@@ -131,7 +132,8 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, 
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         return -1, ["(timed out)"], time.monotonic() - start
-    failed = re.findall(r"^FAILED (\S+)", done.stdout, re.MULTILINE)
+    # -rf's summary: "FAILED <test id> - <first line of the error>"
+    failed = re.findall(r"^FAILED (\S+(?: - .{0,120})?)", done.stdout, re.MULTILINE)
     if done.returncode not in (0, 1):
         failed.append(f"(pytest exit {done.returncode}: {done.stdout.strip().splitlines()[-1:]})")
     return done.returncode, failed, time.monotonic() - start
@@ -166,7 +168,7 @@ def check(mutations: list[Mutation], timeout: float, baseline: bool = True) -> l
 def table(rows: list[dict]) -> str:
     lines = ["| mutation | planted bug | caught? | by |", "|---|---|---|---|"]
     for r in rows:
-        by = "<br>".join(t.split("tests/", 1)[-1] for t in r["by"]) or "-"
+        by = "<br>".join(t.split("tests/", 1)[-1].replace("|", "/") for t in r["by"]) or "-"
         lines.append(f"| {r['mutation']} | {r['what']} | {'yes' if r['caught'] else 'NO'} | {by} |")
     return "\n".join(lines)
 
