@@ -102,7 +102,7 @@ class RunConfig:
     timeout_s: float = 60.0  # deadline for the rendezvous, every collective and every step
     options: dict = field(default_factory=dict)  # strategy-specific, see each strategy's doc
     fault: dict | None = None  # {"rank": r, "step": s, "kind": raise|kill|hang|exit}
-    save_final: bool = False  # rank 0 writes the full final parameters to final_state.pt
+    save_final: bool = False  # every rank writes the full final parameters (final_state_rank{r}.pt)
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     checkpoint_kind: str = "sharded"  # sharded (a file per rank) | full (one gathered file)
     checkpoint_async: bool = False  # write in a thread while training goes on
@@ -278,7 +278,8 @@ FIELDS = {
     "options": Option("dict", "strategy options by name, e.g. {'bucket_cap_mb': 1}"),
     "fault": Option("dict", "{'rank': r, 'step': s, 'kind': 'raise'|'kill'|'hang'|'exit'}",
                     none_ok=True),
-    "save_final": Option("bool", "write the full final parameters to final_state.pt"),
+    "save_final": Option("bool", "every rank writes the full final parameters to "
+                                 "final_state_rank{r}.pt (rank 0 also to final_state.pt)"),
     "checkpoint_every": Option("int", "steps between checkpoints, 0 for none", minimum=0),
     "checkpoint_kind": Option("choice", "a file per rank, or one gathered file",
                               choices=("sharded", "full")),

@@ -160,3 +160,32 @@ def device_peak_flops(device: torch.device, threads: int = 1, dtype: str = "fp32
     if os.environ.get("DLAB_CPU_PEAK_FLOPS"):  # measured once by the launcher, on a quiet CPU
         return float(os.environ["DLAB_CPU_PEAK_FLOPS"]), f"measured fp32 matmul, {threads} thread(s)"
     return measure_cpu_peak_flops(threads), f"measured fp32 matmul, {threads} thread(s)"
+
+
+class StoragePeak:
+    """The most bytes ``tensors()`` held at once while the block ran, read from their storages
+    (each once) after every operator, forward and backward: a figure counted, not booked, for
+    buffers that are allocated and freed inside a step (ZeRO-3's gathered units)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self.peak = 0
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, storage_bytes(self.tensors()))
+
+    @contextmanager
+    def track(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+
+        class _EveryOp(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                meter.sample()
+                return out
+
+        self.sample()
+        with _EveryOp():
+            yield self

@@ -13,7 +13,8 @@
       ranks/rank{r}.pid        written by the rank when it starts: its pid and host
       ranks/rank{r}.json       written by the rank when it ends: ok, or its exception + traceback
       status.json              written by the launcher when the run ends: state, exit code per rank
-      final_state.pt           full final parameters (only with save_final=True)
+      final_state.pt           full final parameters, from rank 0 (only with save_final=True);
+      final_state_rank{r}.pt   the same from every rank (replicas must agree bit for bit)
 
 Everything is append-only JSON lines or whole files written by rename, so a reader can follow a
 live run (``follow``) or open a finished one, from this kernel, a later one, or a cluster's

@@ -5,11 +5,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
-from helpers import TINY_GPT, final_state, losses
+from helpers import TINY_GPT, assert_ranks_agree, final_state, losses
 
 import dlab
 from dlab import checkpoint
@@ -29,8 +30,10 @@ def test_killed_rank_resumes_bitwise_identical(strategy, runs_dir):
     restart = [e for e in hurt.timeline(0) if e["kind"] == "restart"]
     assert restart and restart[0]["from_step"] == 4
     assert losses(hurt) == losses(clean)
-    a, b = final_state(hurt), final_state(clean)
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    b = final_state(clean)
+    for r in range(2):
+        a = final_state(hurt, r)
+        assert all(torch.equal(a[k], b[k]) for k in b), r
     kept = [p.name for p in checkpoint.complete(hurt.path / "checkpoints")]
     assert kept == ["step-00000006", "step-00000008"]
     files = {p.name for p in (hurt.path / "checkpoints" / "step-00000008").iterdir()}
@@ -38,14 +41,58 @@ def test_killed_rank_resumes_bitwise_identical(strategy, runs_dir):
 
 
 def test_async_and_full_checkpoints_resume_the_same(runs_dir):
+    """A run resumed from an asynchronous checkpoint (written by a thread while training went
+    on) and one resumed from a full checkpoint both take the remaining steps exactly as the
+    uninterrupted run: the same losses and, on every rank, the same parameters bit for bit
+    (SGD, whose update shows any gradient or state that was saved wrong)."""
     base = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, checkpoint_every=4,
                        checkpoint_async=True, **RUN)
+    assert "checkpoint_s" in base.metrics(0)[3]
     full = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, checkpoint_every=4,
                        checkpoint_kind="full", **{**RUN, "steps": 4})
-    later = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, resume=str(full.path), **RUN)
-    assert [m["step"] for m in later.metrics(0)] == [4, 5, 6, 7]
-    assert losses(later) == losses(base)[4:]
-    assert "checkpoint_s" in base.metrics(0)[3]
+    from_async = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True,
+                             resume=str(base.path / "checkpoints" / "step-00000004"), **RUN)
+    from_full = dlab.launch("torch-ddp", 2, runs_dir=runs_dir, wait=True, resume=str(full.path), **RUN)
+    want = final_state(base)
+    for later in (from_async, from_full):
+        assert [m["step"] for m in later.metrics(0)] == [4, 5, 6, 7]
+        assert losses(later) == losses(base)[4:]
+        for r in range(2):
+            got = final_state(later, r)
+            assert all(torch.equal(got[k], want[k]) for k in want), (later.path.name, r)
+
+
+class _Held:
+    """A replica whose weight training would go on changing after a save."""
+    replicated = True
+
+    def __init__(self):
+        self.weight = torch.arange(1000, dtype=torch.float32)
+
+    def checkpoint_state(self):
+        return {"params": {"w": checkpoint.piece(self.weight)}, "optim": {}, "hparams": []}
+
+
+def test_an_async_save_holds_the_values_of_the_step_it_was_called_at(tmp_path, monkeypatch):
+    """Training changes the parameters in place right after ``save`` returns; the writer thread
+    (held back here until then) must write the values as they were at the call, so the state
+    is copied before ``save`` returns, not read by the thread later."""
+    release = threading.Event()
+    write = checkpoint._write
+
+    def held_back(obj, path):
+        assert release.wait(10)
+        return write(obj, path)
+
+    monkeypatch.setattr(checkpoint, "_write", held_back)
+    model = _Held()
+    saver = checkpoint.Checkpointer(tmp_path / "checkpoints", 0, 1, asynchronous=True)
+    saver.save(model, 4)
+    model.weight.add_(1.0)  # the next optimizer step
+    release.set()
+    saver.wait()
+    saved = checkpoint.Reader(checkpoint.latest(tmp_path / "checkpoints")).tensor("params", "w")
+    assert torch.equal(saved, torch.arange(1000, dtype=torch.float32))
 
 
 def test_reshard_four_ranks_to_two_and_to_single(runs_dir, reference):
@@ -59,6 +106,7 @@ def test_reshard_four_ranks_to_two_and_to_single(runs_dir, reference):
         assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5
         mine, theirs = final_state(run), final_state(ref)
         assert max((mine[k] - theirs[k]).abs().max().item() for k in theirs) < 1e-5, run.path.name
+        assert_ranks_agree(run)
 
 
 def test_zero3_shards_reshard_four_to_two_and_to_single(runs_dir, reference):
@@ -79,6 +127,7 @@ def test_zero3_shards_reshard_four_to_two_and_to_single(runs_dir, reference):
     for run in (two, back):
         mine = final_state(run)
         assert max((mine[k] - want[k]).abs().max().item() for k in want) < 1e-5, run.path.name
+        assert_ranks_agree(run)
 
 
 class _Replica:

@@ -13,10 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import TINY_GPT, assert_same_training, losses
+from helpers import TINY_GPT, assert_ranks_agree, assert_same_training, final_state, losses, max_param_diff
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import dlab
 from dlab.config import ConfigError, RunConfig
+from dlab.data import make_data, shard
 from dlab.estimate import data_parallel as est
 from dlab.estimate.comm import AlphaBeta
 from dlab.models import model_config
@@ -36,6 +38,8 @@ CASES = {
     "ddp-accumulate": ("ddp", {"bucket_cap_mb": CAP_MB, "accumulation": 2}),
     "ddp-ring": ("ddp", {"bucket_cap_mb": CAP_MB, "allreduce": "ring"}),
     "ps-async-bound0": ("ps-async", {"max_staleness": 0}),
+    # the benches' peer: DDP's C++ all-reduce, bytes read from the buckets DDP reports
+    "torch-ddp-builtin": ("torch-ddp", {"comm_hook": "builtin", "bucket_cap_mb": CAP_MB}),
 }
 
 
@@ -94,21 +98,67 @@ def test_ddp_launches_one_all_reduce_per_bucket_during_backward(runs_dir):
             assert calls == [count, count]
 
 
-def test_ps_async_reports_bounded_staleness(runs_dir):
+def replay_ps_async(config: dict, staleness: list[list[int]]) -> tuple[list[float], dict]:
+    """What ps-async should train, in one process: in round r worker w computes its gradient
+    on the weights of version r - staleness[w][r] (as recorded on its timeline), the server
+    averages the round's N gradients (its own first, then workers 1..N-1, as it sums them) and
+    steps from version r to r + 1. Returns the mean loss of each round and the last version."""
+    cfg = RunConfig.from_dict(config)
+    n = cfg.world_size
+    server = dlab.models.build(cfg.model, cfg.model_options, cfg.seed)
+    worker = dlab.models.build(cfg.model, cfg.model_options, cfg.seed)
+    optimizer = torch.optim.SGD(server.parameters(), lr=cfg.lr, momentum=0.9)
+    versions = [parameters_to_vector(server.parameters()).detach().clone()]
+    data, out = make_data(cfg), []
+    for r in range(cfg.steps):
+        batch, grads, round_losses = data.global_batch(r), [], []
+        for w in range(n):
+            vector_to_parameters(versions[r - staleness[w][r]].clone(), worker.parameters())
+            worker.zero_grad()
+            x, y = shard(batch, w, n)
+            loss = worker.criterion(worker(x), y)
+            loss.backward()
+            grads.append(parameters_to_vector([p.grad for p in worker.parameters()]))
+            round_losses.append(loss.item())
+        total = grads[0]
+        for g in grads[1:]:
+            total = total + g
+        offset = 0
+        for p in server.parameters():
+            p.grad = (total / n)[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer.step()
+        versions.append(parameters_to_vector(server.parameters()).detach().clone())
+        out.append(sum(round_losses) / n)
+    names = [k for k, _ in server.named_parameters()]
+    return out, dict(zip(names, (p.detach() for p in server.parameters()), strict=True))
+
+
+def test_ps_async_trains_what_its_recorded_staleness_says(runs_dir):
+    """The staleness each worker records bounds as configured, and the training is exactly the
+    one-process replay of that staleness (SGD, 1e-5): a worker that computed on other weights
+    than it reported, or a server that applied a gradient twice or lost one, differs. The
+    bytes pulled over the run are the formula's (ps-async counts a pull in the step that takes
+    it, so only the sum is fixed)."""
     bound, steps = 1, 6
-    run = dlab.launch("ps-async", 4, runs_dir=runs_dir, wait=True,
+    run = dlab.launch("ps-async", 4, runs_dir=runs_dir, wait=True, save_final=True,
                       options={"max_staleness": bound}, **{**TINY_GPT, "steps": steps})
+    staleness = []
     for rank in range(4):
         forward = [e for e in run.timeline(rank) if e["kind"] == "forward"]
         assert [e["step"] for e in forward] == list(range(steps))
-        staleness = [e["staleness"] for e in forward]
+        staleness.append([e["staleness"] for e in forward])
         limits = [min(bound, e["step"]) for e in forward]
-        assert all(0 <= s <= m for s, m in zip(staleness, limits, strict=True)), staleness
-        if rank == 0:
-            assert staleness == [0] * steps  # the server computes on the master weights
+        assert all(0 <= s <= m for s, m in zip(staleness[rank], limits, strict=True)), staleness
         want = est.bytes_per_step("ps-async", PARAM_BYTES, 4, rank)["recv"] * steps
         assert sum(m["comm"]["recv_bytes"] for m in run.metrics(rank)) == want
-    assert losses(run, 1) == losses(run, 0)
+    assert staleness[0] == [0] * steps  # the server computes on the master weights
+    want_losses, want_params = replay_ps_async(run.config, staleness)
+    got = losses(run)
+    assert max(abs(a - b) for a, b in zip(got, want_losses, strict=True)) <= 1e-5, (got, want_losses)
+    diff, name = max_param_diff(final_state(run), want_params)
+    assert diff <= 1e-5, (name, diff, staleness)
+    assert_ranks_agree(run)
 
 
 # --- no processes: buckets, formulas, config checks -------------------------------------------

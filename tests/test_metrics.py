@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dlab.metrics import ActivationMeter, model_state_memory, storage_bytes
+from dlab.metrics import ActivationMeter, StoragePeak, model_state_memory, storage_bytes
 from dlab.models import GPTConfig, MLPConfig, build
 
 
@@ -48,3 +48,24 @@ def test_activation_meter_counts_saved_inputs_and_releases_them():
     y.sum().backward()
     del y
     assert meter.current == 0 and meter.peak == 8 * 16 * 4 * 2
+
+
+def test_storage_peak_sees_buffers_allocated_and_freed_during_backward():
+    """A buffer that lives only inside backward (allocated in a gradient hook, freed before the
+    block ends) still shows in the peak: the storages are read after every operator."""
+    held: list[torch.Tensor] = []
+    a = torch.randn(100, requires_grad=True)
+
+    def hook(grad):
+        held.append(torch.zeros(5000))  # 20000 bytes, for the operators that follow
+        return grad * 2
+
+    peak = StoragePeak(lambda: held)
+    with peak.track():
+        held.append(torch.zeros(1000))  # 4000 bytes
+        y = (a * 3).sum()
+        y.register_hook(hook)
+        y.backward()
+        held.clear()
+    assert peak.peak == 24000
+    assert storage_bytes(held) == 0

@@ -10,7 +10,8 @@ import pytest
 from helpers import assert_same_training, losses
 
 import dlab
-from dlab.estimate.tensor import activation_bytes, step_bytes
+from dlab.estimate.tensor import activation_bytes, local_params, step_bytes
+from dlab.models.gpt import GPTConfig
 
 # n_head=4 so the heads split over tp=4; d_ff=128, vocab 256 and seq_len 32 divide by 4 too.
 TP_GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
@@ -44,11 +45,17 @@ def test_tp_matches_single(world_size, options, runs_dir, reference):
             assert m["memory"]["activations"] == saved
 
 
-@pytest.mark.parametrize("world_size,options", [(2, {"tp": 2}),
+@pytest.mark.parametrize("world_size,options", [(2, {"tp": 2}), (4, {"tp": 4}),
                                                 (4, {"tp": 2, "sequence_parallel": True})],
                          ids=lambda c: str(c))
 def test_torch_tp_peer_matches_single(world_size, options, runs_dir, reference):
-    """The peer the benchmark compares against trains the same model to the same numbers."""
+    """The peer the benchmark compares against trains the same model to the same numbers, and
+    splits it as ``tp`` does, the vocabulary included: every rank holds the parameters
+    ``dlab.estimate.tensor`` counts for a tensor-parallel rank (the token embedding's V/t rows,
+    tied to the head), not a replicated embedding and head."""
     run = dlab.launch("torch-tp", world_size, runs_dir=runs_dir, wait=True, save_final=True,
                       options=options, **TP_GPT)
     assert_same_training(run, reference(**TP_GPT), loss_tol=1e-5, param_tol=1e-6)
+    held = local_params(GPTConfig(**TP_GPT["model_options"]), options["tp"])
+    for r in range(world_size):
+        assert run.metrics(r)[-1]["memory"]["parameters"] == 4 * held, r

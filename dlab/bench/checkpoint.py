@@ -17,7 +17,8 @@
    steps are trained twice, restart is detection, new processes, rendezvous and loading, and
    saves is the time the run's checkpoints blocked training. ``restart`` is measured once,
    from the run checkpointing every step (redone = 0: ``restart = lost - saves``), and then
-   predicts the other intervals. Averaged over where a fault lands, redone is interval / 2,
+   predicts the other intervals (that row carries no formula: it would restate
+   itself). Averaged over where a fault lands, redone is interval / 2,
    which gives the planning formula ``E[lost] = interval / 2 * step time + restart`` per fault,
    against ``steps / interval * save time`` paid always (Young 1974; Daly 2006).
 """
@@ -138,11 +139,14 @@ def _fault_rows(root: Path, steps: int, fault_step: int, intervals: list[int]) -
         measured.append((k, fault_step - (fault_step // k) * k, lost, saves))
     _, _, lost_1, saves_1 = measured[0]
     restart = lost_1 - saves_1
+    # The interval-1 row is where restart was fitted: its formula would restate its own
+    # measurement, so it carries none; the other rows are predictions.
     return [{"name": "fault", "interval": k, "fault_step": fault_step, "redone_steps": redone,
              "step_s": step_s, "saves_s": saves, "restart_s": restart, "lost_s": lost,
-             "formula_s": redone * step_s + restart + saves,
+             "formula_s": "" if i == 0 else redone * step_s + restart + saves,
+             "role": "fits restart" if i == 0 else "predicted",
              "expected_per_fault_s": k / 2 * step_s + restart}
-            for k, redone, lost, saves in measured]
+            for i, (k, redone, lost, saves) in enumerate(measured)]
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -5,7 +5,8 @@ Layouts: data parallel (``ddp``, 4 x 1 x 1), tensor parallel (``tp``, 1 x 1 x 4)
 PP x TP (1 x 2 x 2). Per layout: the parameters the fullest rank holds and the bytes the
 busiest rank sends per step, each beside ``dlab.estimate.hybrid`` (which covers all six: p = 1
 is TP x DP, t = 1 and p = 1 is plain data parallelism), the activation peak, and the step time
-beside PyTorch's DDP on the same ranks (the peer: the layout a beginner starts from).
+beside PyTorch's DDP on the same ranks (the peer: the layout a beginner starts from), both
+timed alike (``step_seconds``: the slowest rank's median step).
 
 What to read in it: every layout but DP cuts the parameters per rank; TP pays with per-layer
 all-reduces of activations, the pipeline with a bubble and little traffic; on 2 CPU cores
@@ -46,6 +47,12 @@ def formulas(dp: int, pp: int, tp: int) -> list[tuple[int, float]]:
     return out
 
 
+def step_seconds(run) -> float:
+    """The step time of a run: each rank's median over the steps after the first, then the
+    slowest rank (the step is not over until every rank is). Both sides of a row use it."""
+    return max(median([m["step_time"] for m in run.metrics(r)[1:]]) for r in range(run.world_size))
+
+
 def run(quick: bool = False) -> list[dict]:
     import dlab
 
@@ -54,15 +61,14 @@ def run(quick: bool = False) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as runs_dir:
         peer = dlab.launch("torch-ddp", WORLD, runs_dir=runs_dir, wait=True, **common)
-        peer_s = median([m["step_time"] for m in peer.metrics(0)[1:]])
+        peer_s = step_seconds(peer)
         for label, strategy, options, (dp, pp, tp) in layouts:
             run = dlab.launch(strategy, WORLD, runs_dir=runs_dir, wait=True, options=options,
                               **common)
             last = [run.metrics(r)[-1] for r in range(WORLD)]
             want = formulas(dp, pp, tp)
-            step_s = max(median([m["step_time"] for m in run.metrics(r)[1:]]) for r in range(WORLD))
             rows.append(compared(
-                step_s, peer_s, layout=label, strategy=strategy, dp=dp, pp=pp, tp=tp,
+                step_seconds(run), peer_s, layout=label, strategy=strategy, dp=dp, pp=pp, tp=tp,
                 ranks=WORLD, metric="step_s",
                 params_MB=max(m["memory"]["parameters"] for m in last) / 1e6,
                 params_formula_MB=max(4 * p for p, _ in want) / 1e6,

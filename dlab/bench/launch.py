@@ -4,6 +4,8 @@ The same work (torch-ddp on a small GPT, a few steps) is started two ways: ``dla
 a bare ``python -m torch.distributed.run --standalone ... -m dlab.worker``. For each we time
 from the call to the first metric line in the run directory (start-up: interpreters, imports,
 rendezvous, process group, model build, first step) and to completion. Median of repeats.
+Both sides get the CPU's matmul peak through ``DLAB_CPU_PEAK_FLOPS`` (measured once here, as
+``dlab.launch`` does), so neither rank runs the probe.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from dlab.bench import compared, median
 from dlab.launch import launch
+from dlab.metrics import measure_cpu_peak_flops
 
 WORK = {"steps": 10, "model_options": {"n_layer": 2, "d_model": 64, "n_head": 4}, "batch_size": 8}
 
@@ -43,8 +46,10 @@ def _torchrun(n: int, root: Path) -> tuple[float, float]:
     log = root / f"{run_dir.name}.log"
     start = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        # The CPU's matmul peak as dlab.launch hands it to its ranks, so these ranks skip the
+        # 0.3 s probe too: both sides do the same work.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DLAB_CPU_PEAK_FLOPS": str(measure_cpu_peak_flops(1))}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         first = _first_line(run_dir / "metrics" / "rank0.jsonl", lambda: proc.poll() is None, start)
         code = proc.wait()
     if code != 0:

@@ -2,7 +2,8 @@
 
 Per configuration: the bubble measured from the timeline (steps after the first) beside the
 closed form (``dlab.estimate.pipeline.bubble``, unit times), the simulation of the same action
-lists at the mean op times measured in that run (``simulated``), and at each op's own measured
+lists at each stage's mean op times measured in that run (``simulated``: adds the imbalance
+between stages), and at each op's own measured
 time (``sim_ops``: what the op-time jitter alone costs; the rest of the measured excess is
 communication and dispatch, see ``simulate.py``); the bubble measured again with every
 receive posted only when the schedule reaches it (``bubble_k0``, option ``recv_ahead=0``,
@@ -209,7 +210,7 @@ def save_gantt(path: str = "docs/pipeline_gantt.png", name: str = "1f1b", p: int
     measured = bubble(events)
     gantt(events, ax=ax, comm=True, y_offset=-0.12, height=0.6,
           title=f"{name}, p={p}, m={m}, measured on CPU/Gloo: bubble {measured:.3f} "
-                f"(simulated at the measured op times: {bubble(sim):.3f}, pale bars)")
+                f"(simulated at each stage's mean op times: {bubble(sim):.3f}, pale bars)")
     gantt(sim, ax=ax, y_offset=0.3, height=0.22, alpha=0.4, labels=False)
     ax.set_xlabel("seconds")
     fig.tight_layout()

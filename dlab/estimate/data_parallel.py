@@ -48,11 +48,21 @@ def bytes_per_step(strategy: str, param_bytes: float, world_size: int, rank: int
 
 
 def bucket_sizes(param_bytes: list[int], cap_bytes: int) -> list[int]:
-    """Bytes of each ``ddp`` bucket for tensors of ``param_bytes`` (registration order), filled
-    in reverse with the cap ``ddp`` uses: the B messages of a step."""
-    from dlab.parallel.data_parallel.buckets import assign
-    ready = list(reversed(param_bytes))
-    return [sum(ready[i] for i in members) for members in assign(ready, cap_bytes)]
+    """Bytes of each ``ddp`` bucket for tensors of ``param_bytes`` (registration order): the B
+    messages of a step. The rule (PyTorch's, Li et al. 2020 sec. 3.2.3): walk the tensors in
+    the order backward produces them, the reverse of registration, and close the open bucket
+    when the next tensor would take it past the cap; a tensor larger than the cap is a bucket
+    on its own. Written here from that rule, apart from the strategy's ``buckets.assign``, so
+    the tests compare two derivations."""
+    if cap_bytes <= 0:
+        raise ValueError(f"the bucket cap must be positive (got {cap_bytes} bytes)")
+    sizes: list[int] = []
+    for size in reversed(param_bytes):
+        if sizes and sizes[-1] + size <= cap_bytes:
+            sizes[-1] += size
+        else:
+            sizes.append(size)
+    return sizes
 
 
 def comm_time(message_bytes: list[float], world_size: int, link: AlphaBeta) -> float:

@@ -25,6 +25,10 @@ Activation memory is counted in micro-batches a rank holds between a forward and
 2(p-r-1) + (v-1)p + 1 chunks of 1/v micro-batch each; ZB-H1 like 1F1B; ZB-V at most p
 (its limit of 2p half-size chunks). Zero-bubble schedules also keep, until W, the inputs of
 the weight matmuls and their output gradients of up to p-1 (ZB-H1) or p/2 (ZB-V) more.
+
+Receive buffers (``recv_buffer_bytes``): at a receive a rank holds the buffer it waits on and
+the k it keeps posted after it, k + 1 boundary tensors (batch / (d m) x seq x d_model, fp32),
+or as many receives as the step has if fewer.
 """
 from __future__ import annotations
 
@@ -91,3 +95,10 @@ def in_flight_of(sched: schedules.Schedule) -> list[float]:
                 held -= 1
         out.append(peak / sched.v)
     return out
+
+
+def recv_buffer_bytes(recv_ahead: int, receives: int, micro_batch: int, seq_len: int, d_model: int,
+                      element_bytes: int = 4) -> int:
+    """Peak bytes of receive buffers posted and not yet consumed on a rank that makes
+    ``receives`` receives a step, with ``recv_ahead`` kept posted ahead of the one it waits on."""
+    return min(recv_ahead + 1, receives) * micro_batch * seq_len * d_model * element_bytes

@@ -22,7 +22,9 @@ sits idle. With k > 0 the executor keeps the next k receives of its list posted,
 transfer runs in the I/O threads while the rank computes, and the ``recv`` action only waits
 for what is still missing (MPI's "post receives early"; Megatron-LM overlaps its pipeline p2p
 the same way). It still *waits* at the same point of the list, so ``validate``'s no-deadlock
-proof holds unchanged; the cost is k extra boundary buffers (``strategy.py`` says which k).
+proof holds unchanged; the cost is k extra boundary buffers (``strategy.py`` says which k):
+at a receive the rank holds its own buffer and the k posted after it, k + 1 in all where
+posting at the action holds one (``posted_peak`` counts them from their storages).
 Not on NCCL: there a posted receive occupies the stream that the next send to the same peer
 must also use, and two ranks that each post a receive before their send wait on each other
 forever.
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm.instrumented import Comm, nbytes
-from dlab.metrics import ActivationMeter
+from dlab.metrics import ActivationMeter, storage_bytes
 from dlab.parallel.pipeline.schedules import Schedule
 from dlab.parallel.pipeline.split import StageModule
 from dlab.parallel.pipeline.weight_grad import WeightGradStore
@@ -62,6 +64,9 @@ class Executor:
         self.last = schedule.n_stages - 1
         self.recv_ahead = recv_ahead
         self.recvs = [a for a in schedule.actions[rank] if a.kind == "recv"]
+        #: the most bytes of receive buffers posted and not yet handed to a stage, at once,
+        #: in the last step (read from their storages each time one is posted)
+        self.posted_peak = 0
 
     def _local(self, stage: int) -> bool:
         return 0 <= stage <= self.last and self.schedule.stage_rank[stage] == self.rank
@@ -75,6 +80,10 @@ class Executor:
         work = dist.irecv(buf, src, group=self.comm.group, tag=tag(a.peer, a.mb, a.stage, sched.n_stages))
         return work, buf
 
+    def _count_posted(self, posted: list) -> None:
+        held = storage_bytes(buf for entry in posted if entry is not None for buf in entry[1:])
+        self.posted_peak = max(self.posted_peak, held)
+
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor],
             act_shape: tuple[int, ...]) -> torch.Tensor | None:
         """One step's actions; returns the summed (already /m) loss on the rank holding the
@@ -86,6 +95,8 @@ class Executor:
         sends: list = []
         # receives in list order; posted[j] is the j-th one's (work, buffer) once posted
         posted = [self._post_recv(r, act_shape) for r in self.recvs[: self.recv_ahead]]
+        self.posted_peak = 0
+        self._count_posted(posted)
         done = 0
         loss_sum = None
         for a in sched.actions[self.rank]:
@@ -127,6 +138,7 @@ class Executor:
                 else:  # recv: this one and the next recv_ahead are posted, this one waited for
                     while len(posted) < min(done + 1 + self.recv_ahead, len(self.recvs)):
                         posted.append(self._post_recv(self.recvs[len(posted)], act_shape))
+                    self._count_posted(posted)
                     work, buf = posted[done]
                     posted[done] = None
                     done += 1

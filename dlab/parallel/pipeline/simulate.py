@@ -13,8 +13,9 @@ per stage, so stage times scale by p / n_stages. ``durations`` instead gives eve
 time, keyed ``(kind, stage, mb)``: how ``replay_ops`` re-runs a measured step.
 
 Three bubbles, each adding one thing the one before leaves out: the closed form (equal unit
-times, free communication: ``dlab.estimate.pipeline.bubble``), ``replay`` at the mean measured
-op times (the same when stages are balanced), ``replay_ops`` at each op's own measured time
+times, free communication: ``dlab.estimate.pipeline.bubble``), ``replay`` at each stage's
+mean measured op times (the same when stages are balanced; adds their imbalance),
+``replay_ops`` at each op's own measured time
 (adds the jitter: in a pipeline a rank waits for the slower of its neighbours, so op times that
 scatter around one mean make idle time that no mean shows), and the measured timeline (adds
 what communication and the dispatch between actions cost).
@@ -129,8 +130,8 @@ def bubble(events: list[dict], ranks: int | None = None) -> float:
 
 
 def mean_times(events: list[dict]) -> dict[str, float]:
-    """Mean duration of each compute kind, per rank-stage: what to feed back into ``simulate``
-    to overlay theory on a measured timeline."""
+    """Mean duration of each compute kind over every rank and stage: one figure per kind, to
+    print. ``replay`` uses each stage's own means (``stage_mean_times``) instead."""
     out = {}
     for kind in COMPUTE:
         d = [e["end"] - e["start"] for e in events if e["kind"] == kind]
@@ -139,19 +140,26 @@ def mean_times(events: list[dict]) -> dict[str, float]:
     return out
 
 
+def stage_mean_times(events: list[dict]) -> dict[tuple[str, int], float]:
+    """``{(kind, stage): mean duration}``: each stage's own mean, so a slow stage (more layers,
+    the head's matmul, a busier core) stays slow in the replay."""
+    sums: dict[tuple[str, int], list[float]] = {}
+    for e in events:
+        if e["kind"] in COMPUTE:
+            sums.setdefault((e["kind"], e["stage"]), []).append(e["end"] - e["start"])
+    return {k: sum(d) / len(d) for k, d in sums.items()}
+
+
 def replay(schedule: Schedule, events: list[dict], t_comm: float = 0.0) -> list[dict]:
-    """The simulation of ``schedule`` at the mean op times measured in ``events`` (a real
-    timeline of the same schedule), shifted to start when the measured step starts: theory to
-    overlay on a measurement. Measured times are per virtual stage, ``simulate`` takes them per
-    rank's share (scaled back by p / n_stages), hence the factor v; without a split backward
-    the whole backward is shared evenly between t_B and t_W."""
-    t = mean_times(events)
-    v = schedule.n_stages / schedule.p
-    if schedule.split_backward:
-        t_b, t_w = t["backward"], t["weight_grad"]
-    else:
-        t_b = t_w = t["backward"] / 2
-    return _starting_with(events, simulate(schedule, t["forward"] * v, t_b * v, t_w * v, t_comm))
+    """The simulation of ``schedule`` with every op taking its stage's mean measured time in
+    ``events`` (a real timeline of the same schedule), shifted to start when the measured step
+    starts: theory to overlay on a measurement. Means per stage, not pooled over the ranks: a
+    pooled mean makes every stage equal and gives back the closed form whatever was measured,
+    hiding the imbalance between stages that a pipeline waits on."""
+    means = stage_mean_times(events)
+    durations = {(a.kind, a.stage, a.mb): means[(a.kind, a.stage)]
+                 for actions in schedule.actions for a in actions if a.kind in COMPUTE}
+    return _starting_with(events, simulate(schedule, t_comm=t_comm, durations=durations))
 
 
 def replay_ops(schedule: Schedule, events: list[dict]) -> list[dict]:

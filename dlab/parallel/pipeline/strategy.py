@@ -35,8 +35,6 @@ autograd sums the two uses itself.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -220,10 +218,9 @@ class Pipeline(Strategy):
     def memory(self):
         mem = model_state_memory(self.params, self.optimizer)
         mem["activations"] = self.meter.peak
-        # receives posted ahead: buffers not yet handed to a stage (once they are, they are
-        # that stage's saved input and count as activations)
-        ahead = min(self.recv_ahead(self.ctx.config), len(self.executor.recvs))
-        mem["comm_buffers"] = ahead * math.prod(self.act_shape) * 4  # fp32 boundary tensors
+        # receive buffers posted and not yet handed to a stage, counted from their storages
+        # (once handed over they are that stage's saved input and count as activations)
+        mem["comm_buffers"] = self.executor.posted_peak
         return mem
 
     def full_state_dict(self):

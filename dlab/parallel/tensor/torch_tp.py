@@ -7,20 +7,26 @@ DTensor sharded over the mesh's "tp" dimension: ``ColwiseParallel`` for q, k, v 
 become ``SequenceParallel`` with ``PrepareModuleInput`` doing the all-gather before attention
 and the MLP, and the row-parallel outputs reduce-scattered (``output_layouts=Shard(1)``).
 
-The plan parallelises the transformer blocks only: the embedding and the (tied) head stay
-replicated on every tensor-parallel rank, so this peer does more work and keeps full logits
-where ``tp`` splits the vocabulary. DTensor's collectives bypass dlab's counting ``Comm``, so
-only the data-parallel all-reduce is counted here; the bench compares step time and memory.
+The vocabulary is split as ``tp`` splits it, so both sides do the same work: the token
+embedding is ``RowwiseParallel`` (each rank holds V/t rows of the matrix, looks up the tokens
+in its range and the partial embeddings are all-reduced), the tied head multiplies by that same
+shard (the final layer norm's parameters replicated as DTensors, so the projection is a
+DTensor matmul) and gives each rank its V/t slice of the logits, and the cross-entropy runs
+under ``loss_parallel`` on those slices, so no rank holds the full logits. The position
+embedding and the final layer norm are whole on every rank, as in ``tp``. DTensor's
+collectives bypass dlab's counting ``Comm``, so only the data-parallel all-reduce is counted
+here; the bench compares step time and memory.
 """
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -94,13 +100,24 @@ class TorchTensorParallel(Strategy):
             parallelize_module(block, tp_mesh, block_plan(self.sp))
         if self.sp:
             # The residual stream between blocks is sequence-sharded: cut it (no communication)
-            # before the first block, gather it before the replicated head.
+            # before the first block; the head gathers it back below.
             parallelize_module(self.model.blocks[0], tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                 use_local_output=True))
-            parallelize_module(self.model.head, tp_mesh, PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                use_local_output=True))
+        # Vocabulary-parallel embedding and head: the embedding's rows split over the ranks
+        # (partial lookups all-reduced), the head's input made a replicated DTensor so it
+        # multiplies by the same (tied) shard and leaves the logits split by vocabulary.
+        parallelize_module(self.model.embed.tok, tp_mesh, RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()))
+        distribute_module(self.model.head.ln, tp_mesh)
+        parallelize_module(self.model.head, tp_mesh, PrepareModuleInput(
+            input_layouts=(Shard(1) if self.sp else Replicate(),),
+            desired_input_layouts=(Replicate(),), use_local_output=False))
+        head = self.model.head
+        if head.tied_weight:  # the head reads the embedding's matrix as it is now
+            head.projection = lambda: self.model.embed.tok.weight
+        else:
+            head.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
         self.params = list(self.model.parameters())
         self.optimizer = self.build_optimizer(self.params)
         self.meter = LocalShardMeter([_local(p) for p in self.params])
@@ -110,7 +127,8 @@ class TorchTensorParallel(Strategy):
         tl = self.ctx.timeline
         self.optimizer.zero_grad()
         self.meter.reset_peak()
-        loss = self.forward_backward(x, y)
+        with loss_parallel():  # cross-entropy on this rank's vocabulary slice of the logits
+            loss = _local(self.forward_backward(x, y))
         if self.dp > 1:
             with tl.span("all_reduce"):
                 locals_ = [_LocalGrad(p) for p in self.params]

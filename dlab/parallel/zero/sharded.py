@@ -42,7 +42,6 @@ from torch import nn
 from dlab import checkpoint
 from dlab.comm.instrumented import reduce_scatter_option
 from dlab.data import shard
-from dlab.estimate.memory import zero_memory
 from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import FlatUnit, build_units
@@ -239,9 +238,27 @@ class ZeroStrategy(Strategy):
         return mem
 
     def padding_bytes(self) -> int:
-        """Bytes of padding inside parameters + gradients + optimizer state on this rank."""
-        return zero_memory([u.numel for u in self.units], self.n, self.stage, self.mixed,
-                           self.ctx.config.optimizer, rank=self.ctx.rank)["padding"]
+        """Bytes of padding inside the parameters, gradients and optimizer state this rank
+        holds, read from the storages themselves: a storage the size of a whole unit (the full
+        flat buffer, stage 1's flat gradient) holds the unit's padding, one the size of a chunk
+        (a shard, a gradient shard, a master, its optimizer state) holds this rank's part of
+        it; anything else (a step counter) holds none. Each storage is counted once."""
+        total, seen = 0, set()
+        for u in self.units:
+            own = max(0, u.owned.stop - max(u.owned.start, u.numel))
+            held = [u.flat, u.shard, u.grad_shard, getattr(u, "flat_grad", None), u.master,
+                    *(p.grad for p in u.params), *self.optimizer.state.get(u.master, {}).values()]
+            for t in held:
+                if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                    continue
+                storage = t.untyped_storage()
+                if (t.device, storage.data_ptr()) in seen:
+                    continue
+                seen.add((t.device, storage.data_ptr()))
+                elements = storage.nbytes() // t.element_size()
+                pad = u.padding if elements == u.padded else own if elements == u.shard_numel else 0
+                total += pad * t.element_size()
+        return total
 
     # --- checkpoints ----------------------------------------------------------------------------
     def _owned_cuts(self, u: FlatUnit):

@@ -1,0 +1,199 @@
+"""Planted bugs: each one patched into a copy of the package in turn, the tests that should
+catch it run on that copy, and a table of what failed.
+
+    python tests/mutations.py                 # every mutation, after a clean baseline run
+    python tests/mutations.py tied-bytes      # some of them
+    python tests/mutations.py --list
+
+A mutation is a textual replacement in one file of a copy of the checkout (dlab/, tests/,
+data/, pyproject.toml under a temporary directory), so the ranks that torchrun starts import
+the planted bug like any other code (the launcher puts the copy first on their PYTHONPATH).
+The replaced text must occur exactly once, so a mutation that no longer applies fails loudly
+rather than testing nothing. The same tests first run on an unpatched copy: a mutation counts
+as caught only if its tests pass there and fail with it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("dlab", "tests", "data", "pyproject.toml")
+
+
+@dataclass
+class Mutation:
+    name: str
+    what: str
+    path: str
+    edits: tuple[tuple[str, str], ...]  # (text, its replacement), each text found once
+    tests: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation(
+        "mp-zero-missing-div",
+        "ZeRO reduce-scatter skips the /N in mixed precision only (fp32 untouched)",
+        "dlab/parallel/zero/sharded.py",
+        (("        flat_grad.div_(self.n)\n",
+          "        if not self.mixed:\n            flat_grad.div_(self.n)\n"),),
+        ("tests/test_zero.py::test_mixed_precision_matches_a_bf16_reference",),
+    ),
+    Mutation(
+        "ddp-doubled-div",
+        "ddp divides each bucket by N twice",
+        "dlab/parallel/data_parallel/ddp.py",
+        (("        bucket.flat.div_(comm.size)  #",
+          "        bucket.flat.div_(comm.size).div_(comm.size)  #"),),
+        ("tests/test_data_parallel.py::test_matches_single_and_moves_the_formula_bytes[ddp-2]",),
+    ),
+    Mutation(
+        "rank1-skips-last-step",
+        "ddp: rank 1 skips its last optimizer step (losses are all-reduced, so they agree)",
+        "dlab/parallel/data_parallel/ddp.py",
+        (("        with tl.span(\"optimizer\"):\n            self.optimizer.step()\n",
+          "        with tl.span(\"optimizer\"):\n"
+          "            if not (self.ctx.rank == 1 and tl.step == self.ctx.config.steps - 1):\n"
+          "                self.optimizer.step()\n"),),
+        ("tests/test_data_parallel.py::test_matches_single_and_moves_the_formula_bytes[ddp-2]",),
+    ),
+    Mutation(
+        "tied-bytes",
+        "pipeline: the last stage leaves the tied embedding/head matrix out of its parameters",
+        "dlab/parallel/pipeline/strategy.py",
+        (("        mem = model_state_memory(self.params, self.optimizer)\n",
+          "        tied = self.named.get(\"embed.tok.weight\") if self.pp_rank == self.p - 1 else None\n"
+          "        mem = model_state_memory([q for q in self.params if q is not tied], self.optimizer)\n"),),
+        ("tests/test_pipeline_parity.py::test_tied_embedding_is_held_by_first_and_last_stage",),
+    ),
+    Mutation(
+        "expert-lost-grad",
+        "expert dispatch: the experts run on detached weights, so their gradients are lost",
+        "dlab/parallel/expert/dispatch.py",
+        (("                done = done.index_add(0, mine, mlp(rows[mine]))\n",
+          "                weights = {k: v.detach() for k, v in mlp.named_parameters()}\n"
+          "                out = torch.func.functional_call(mlp, weights, rows[mine])\n"
+          "                done = done.index_add(0, mine, out)\n"),),
+        ("tests/test_expert_dispatch.py::test_expert_parallel_layer_equals_the_whole_layer[2-1]",),
+    ),
+    Mutation(
+        "async-ckpt-no-copy",
+        "checkpoint pieces reference the live tensors instead of copying them",
+        "dlab/checkpoint.py",
+        (("            \"data\": flat.to(\"cpu\", copy=True)}",
+          "            \"data\": flat.to(\"cpu\")}"),),
+        ("tests/test_checkpoint.py::test_async_and_full_checkpoints_resume_the_same",
+         "tests/test_checkpoint.py::test_an_async_save_holds_the_values_of_the_step_it_was_called_at"),
+    ),
+    Mutation(
+        "recv-not-posted",
+        "pipeline: receives are posted only at their action, recv_ahead ignored",
+        "dlab/parallel/pipeline/executor.py",
+        (("        posted = [self._post_recv(r, act_shape) for r in self.recvs[: self.recv_ahead]]\n",
+          "        posted = []\n"),
+         ("                    while len(posted) < min(done + 1 + self.recv_ahead, len(self.recvs)):\n",
+          "                    while len(posted) < min(done + 1, len(self.recvs)):\n")),
+        ("tests/test_pipeline_parity.py::test_receives_posted_at_the_action_or_ahead_train_like_single[1f1b-2-2]",),
+    ),
+]
+
+def copy_checkout(dest: Path) -> None:
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "runs"))
+        else:
+            shutil.copy2(src, dest / name)
+
+
+def replace_once(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"{path}: the text to replace occurs {text.count(old)} times, not once:\n{old}")
+    path.write_text(text.replace(old, new))
+
+
+def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, list[str], float]:
+    """(pytest's exit status, the failed test ids with the first line of each one's error,
+    seconds) for ``tests`` run in ``root``."""
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+                               *tests], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, ["(timed out)"], time.monotonic() - start
+    # -rf's summary: "FAILED <test id> - <first line of the error>"
+    failed = re.findall(r"^FAILED (\S+(?: - .{0,120})?)", done.stdout, re.MULTILINE)
+    if done.returncode not in (0, 1):
+        failed.append(f"(pytest exit {done.returncode}: {done.stdout.strip().splitlines()[-1:]})")
+    return done.returncode, failed, time.monotonic() - start
+
+
+def check(mutations: list[Mutation], timeout: float, baseline: bool = True) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dlab-mutations-") as tmp:
+        if baseline:
+            clean = Path(tmp) / "clean"
+            copy_checkout(clean)
+            tests = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
+            rc, failed, seconds = run_tests(clean, tests, timeout * len(mutations))
+            print(f"baseline: {len(tests)} test selections, exit {rc} in {seconds:.0f} s", flush=True)
+            if rc != 0:
+                raise SystemExit(f"the tests fail without any mutation: {failed}")
+        for m in mutations:
+            root = Path(tmp) / m.name
+            copy_checkout(root)
+            for old, new in m.edits:
+                replace_once(root / m.path, old, new)
+            rc, failed, seconds = run_tests(root, m.tests, timeout)
+            row = {"mutation": m.name, "what": m.what, "caught": rc == 1 and bool(failed),
+                   "by": failed, "seconds": round(seconds)}
+            print(f"{m.name}: {'caught' if row['caught'] else 'NOT CAUGHT'} by {failed} "
+                  f"({seconds:.0f} s)", flush=True)
+            rows.append(row)
+            shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| mutation | planted bug | caught? | by |", "|---|---|---|---|"]
+    for r in rows:
+        by = "<br>".join(t.split("tests/", 1)[-1].replace("|", "/") for t in r["by"]) or "-"
+        lines.append(f"| {r['mutation']} | {r['what']} | {'yes' if r['caught'] else 'NO'} | {by} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--no-baseline", action="store_true", help="skip the unpatched run")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per mutation's tests")
+    args = p.parse_args(argv)
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:24s} {m.what}")
+        return 0
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        p.error(f"unknown mutation(s) {sorted(unknown)}; --list shows them")
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    start = time.monotonic()
+    rows = check(chosen, args.timeout, baseline=not args.no_baseline)
+    print(table(rows))
+    print(f"{sum(r['caught'] for r in rows)} of {len(rows)} caught in {time.monotonic() - start:.0f} s")
+    return 0 if all(r["caught"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
