@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -205,6 +206,9 @@ class RunConfig:
 
     def _device_problems(self) -> list[str]:
         p = []
+        if os.name != "posix":  # start_new_session, killpg: what stops a run whole
+            p.append("dlab runs each job in its own process session and ends it with POSIX "
+                     "signals, which this system lacks: use Linux, or WSL on Windows")
         gpus = _gpu_count()
         if self.backend == "nccl" and gpus == 0:
             p.append("backend='nccl' needs CUDA GPUs and this machine has none; "

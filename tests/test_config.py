@@ -54,3 +54,23 @@ def test_every_problem_is_listed_at_once():
 def test_auto_backend_is_gloo_without_gpus():
     cfg = RunConfig("torch-ddp", world_size=2)
     assert cfg.resolved_backend() == "gloo" and cfg.resolved_device() == "cpu"
+
+
+def test_a_system_without_posix_sessions_is_refused_before_start(monkeypatch):
+    """What needs Linux (process sessions and signals) is refused with a message saying so."""
+    import os
+
+    from dlab.config import ConfigError, RunConfig
+    monkeypatch.setattr(os, "name", "nt")
+    with pytest.raises(ConfigError, match="WSL"):
+        RunConfig(strategy="single", world_size=1).validate()
+
+
+def test_shm_all_reduce_says_it_needs_dev_shm(monkeypatch):
+    import os
+
+    from dlab.comm.algorithms import shm
+    real = os.path.isdir
+    monkeypatch.setattr(os.path, "isdir", lambda p: False if p == "/dev/shm" else real(p))
+    with pytest.raises(RuntimeError, match="/dev/shm.*ring"):
+        shm._check_one_host()

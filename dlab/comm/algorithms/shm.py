@@ -56,6 +56,9 @@ def p2p_barrier(group=None) -> int:
 
 
 def _check_one_host() -> None:
+    if not os.path.isdir("/dev/shm"):
+        raise RuntimeError("the shm all-reduce maps its buffers in /dev/shm, which this system does "
+                           "not have (it needs Linux, or WSL on Windows): use 'ring' instead")
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     if local is not None and world is not None and local != world:
         raise ValueError(f"shm all-reduce needs every rank on one host ({local} of {world} are "
