@@ -34,7 +34,7 @@ def bars(ax) -> dict[str, list[float]]:
 
 
 def test_bubble_panel_sets_the_formula_and_simulations_beside_the_measured_bars(one_f_one_b):
-    _, fig = one_f_one_b
+    run, fig = one_f_one_b
     ax = axes_titled(fig, "bubble")
     assert "1f1b p=2 m=8" in ax.get_title()
     heights = bars(ax)
@@ -43,8 +43,15 @@ def test_bubble_panel_sets_the_formula_and_simulations_beside_the_measured_bars(
     assert all(len(h) == P for h in heights.values())
     (formula,) = [line for line in ax.get_lines() if line.get_label().startswith("formula (model)")]
     assert formula.get_ydata()[0] == pytest.approx(100 * (P - 1) / (M + P - 1))
-    # Both stages run the same op times on paper: the mean-time replay is the closed form.
-    assert heights["simulated (model), mean op times"] == pytest.approx([100 / 9] * P)
+    # Replayed with free messages, the measured op times cannot idle more than the run did.
+    for sim, measured in zip(heights["simulated (model), measured op times"], heights["measured"]):
+        assert sim <= measured + 2
+    # Each stage is replayed at its own mean op times, so their imbalance shows: the stage that
+    # computes longer waits less (equal times would give the closed form on both).
+    busy = [sum(e["end"] - e["start"] for e in run.timeline(r)
+                if e["kind"] in ("forward", "backward") and e["step"] > 0) for r in range(P)]
+    mean_op = heights["simulated (model), mean op times"]
+    assert (mean_op[0] < mean_op[1]) == (busy[0] > busy[1])
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any(t.startswith("formula (model)") for t in legend) and "measured" in legend
 
@@ -86,7 +93,8 @@ def test_memory_panel_shows_the_model_state_beside_the_measured_bars(strategy, t
     tops = sorted({round(p.get_y() + p.get_height(), 9) for p in model})
     if strategy == "zero2":
         units = model_units("gpt", TINY_GPT["model_options"])
-        want = sum(v for k, v in zero_memory(units, 2, 2).items() if k != "padding") / MiB
+        mem = zero_memory(units, 2, 2, optimizer=TINY_GPT["optimizer"])
+        want = sum(v for k, v in mem.items() if k != "padding") / MiB
     else:
         want = sum(run.metrics(0)[-1]["memory"][k] for k in ("parameters", "gradients", "optimizer")) / MiB
     assert tops[-1] == pytest.approx(want)
