@@ -30,9 +30,11 @@ def step_wire(run, rank: int) -> list[tuple[int, int]]:
     return out
 
 
+# 2-rank cases in the default run; the 4-rank ones are slow (make test-slow)
 @pytest.mark.parametrize("strategy,n,algorithm", [
-    ("zero2", 2, "ring"), ("zero2", 4, "ring"), ("zero3", 2, "ring"), ("zero3", 4, "ring"),
-    ("zero2", 4, "backend"), ("zero3", 2, "backend"),
+    ("zero2", 2, "ring"), pytest.param("zero2", 4, "ring", marks=pytest.mark.slow),
+    ("zero3", 2, "ring"), pytest.param("zero3", 4, "ring", marks=pytest.mark.slow),
+    pytest.param("zero2", 4, "backend", marks=pytest.mark.slow), ("zero3", 2, "backend"),
 ])
 def test_zero_reduce_scatter_option(strategy, n, algorithm, runs_dir, reference):
     run = dlab.launch(strategy, n, runs_dir=runs_dir, wait=True, save_final=True,
@@ -47,7 +49,7 @@ def test_zero_reduce_scatter_option(strategy, n, algorithm, runs_dir, reference)
             assert outside == model.gloo_all_reduce_bytes(4, n, r)  # mean_loss's one float
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sequence_parallel_reduce_scatter_option(n, runs_dir, reference):
     wire = {}
     for algorithm in ("ring", "backend"):
@@ -79,7 +81,7 @@ CP_GPT = {"model": "gpt", "batch_size": 8, "steps": 4,
           "model_options": {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 32}}
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_context_parallel_allgather_reduce_scatter_option(n, runs_dir, reference):
     """The all-gather attention's backward reduce-scatter by dlab's ring: same training, and its
     measured bytes are the ring's."""

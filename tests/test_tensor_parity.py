@@ -45,7 +45,8 @@ def test_tp_matches_single(world_size, options, runs_dir, reference):
             assert m["memory"]["activations"] == saved
 
 
-@pytest.mark.parametrize("world_size,options", [(2, {"tp": 2}), (4, {"tp": 4}),
+@pytest.mark.parametrize("world_size,options", [(2, {"tp": 2}),
+                                                pytest.param(4, {"tp": 4}, marks=pytest.mark.slow),
                                                 (4, {"tp": 2, "sequence_parallel": True})],
                          ids=lambda c: str(c))
 def test_torch_tp_peer_matches_single(world_size, options, runs_dir, reference):

@@ -43,7 +43,7 @@ def whole_units_at_once(prefetch: bool) -> list[int]:
     return peaks
 
 
-@pytest.mark.parametrize("n,prefetch", [(2, True), (4, False)])
+@pytest.mark.parametrize("n,prefetch", [(2, True), pytest.param(4, False, marks=pytest.mark.slow)])
 def test_zero3_holds_the_root_and_one_or_two_blocks_whole_at_once(n, prefetch, runs_dir):
     units = model_units("gpt", UNEVEN["model_options"])
     block, root = 4 * padded(units.blocks[0], n), 4 * padded(units.root, n)
