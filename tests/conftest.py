@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 
 import psutil
 import pytest
@@ -50,3 +51,27 @@ def reference(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+WORLD_PARAMS = ("world", "world_size", "n")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
+def pytest_collection_modifyitems(config, items):
+    """The parity grids (tests that compare with ``single`` through the ``reference`` or
+    ``pipeline_runs`` fixtures) run their cases at 2 and 4 ranks. ``make test`` keeps each
+    test's 2-rank cases and marks its 4-rank cases ``slow`` (``make test-slow`` runs them), so
+    the default run fits its time on 2 cores while every world size stays tested."""
+    grids = defaultdict(list)
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is None or not {"reference", "pipeline_runs"} & set(item.fixturenames):
+            continue
+        world = next((spec.params[k] for k in WORLD_PARAMS if k in spec.params), None)
+        if world is not None:
+            grids[(str(item.path), item.originalname)].append((world, item))
+    for cases in grids.values():
+        if any(world == 2 for world, _ in cases):
+            for world, item in cases:
+                if world == 4:
+                    item.add_marker(pytest.mark.slow)

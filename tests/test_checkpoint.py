@@ -18,7 +18,7 @@ from dlab import checkpoint
 RUN = {**TINY_GPT, "steps": 8, "save_final": True}
 
 
-@pytest.mark.parametrize("strategy", ["torch-ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["torch-ddp", pytest.param("zero3", marks=pytest.mark.slow)])
 def test_killed_rank_resumes_bitwise_identical(strategy, runs_dir):
     """Train 8 steps uninterrupted, vs. kill rank 1 at step 5 and let torchrun restart every rank
     from the step-4 checkpoint: the same losses and parameters, bit for bit (CPU, fp32). With
@@ -109,6 +109,7 @@ def test_reshard_four_ranks_to_two_and_to_single(runs_dir, reference):
         assert_ranks_agree(run)
 
 
+@pytest.mark.slow  # the default run reshards 4 -> 2 in test_reshard_four_ranks_to_two
 def test_zero3_shards_reshard_four_to_two_and_to_single(runs_dir, reference):
     """ZeRO-3 cuts parameters at arbitrary flat offsets; its pieces load into 2 ranks of zero3
     (other cuts), into single (whole tensors) and, back the other way, into zero2 shards."""

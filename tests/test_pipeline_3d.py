@@ -18,7 +18,7 @@ GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
 CASES = [("1f1b", 4, {"tp": 2}),                    # pp 2 x tp 2
          ("gpipe", 4, {"tp": 2}),
          ("interleaved", 4, {"tp": 2}),             # pp 2 x 2 virtual stages x tp 2
-         ("1f1b", 8, {"tp": 2, "dp": 2})]           # dp 2 x pp 2 x tp 2: 3D
+         pytest.param("1f1b", 8, {"tp": 2, "dp": 2}, marks=pytest.mark.slow)]  # dp 2 x pp 2 x tp 2: 3D
 
 
 @pytest.mark.parametrize("schedule,world,options", CASES, ids=lambda c: str(c))

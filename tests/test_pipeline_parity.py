@@ -61,7 +61,8 @@ def test_schedule_matches_single(name, world, pipeline_runs, reference):
         assert measured >= (world - 1) / world - 0.02, measured
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n if n == "1f1b" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in NAMES])
 def test_pipeline_times_data_parallel_matches_single(name, pipeline_runs, reference):
     run = pipeline_runs(name, 4, dp=2)
     assert_same_training(run, reference(**PIPE_GPT))

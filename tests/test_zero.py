@@ -120,10 +120,11 @@ MP_ADAM_MEAN_TOL = 1e-4
 
 
 @pytest.mark.parametrize("strategy,n,options,optimizer", [
-    ("zero1", 2, {"mixed_precision": True}, "sgd"),
-    ("zero2", 4, {"mixed_precision": True}, "sgd"),
+    pytest.param("zero1", 2, {"mixed_precision": True}, "sgd", marks=pytest.mark.slow),
+    pytest.param("zero2", 4, {"mixed_precision": True}, "sgd", marks=pytest.mark.slow),
     ("zero3", 4, {"mixed_precision": True}, "sgd"),
-    ("zero3", 4, {"mixed_precision": True, "offload_optimizer": True}, "adam"),
+    pytest.param("zero3", 4, {"mixed_precision": True, "offload_optimizer": True}, "adam",
+                 marks=pytest.mark.slow),
     ("torch-fsdp2", 4, {"mixed_precision": True}, "sgd"),  # the peer, as the bench runs it
 ])
 def test_mixed_precision_matches_a_bf16_reference(strategy, n, options, optimizer, runs_dir):
