@@ -113,6 +113,8 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
         self.head = model.head if last else None
         self.criterion = model.criterion
+        #: the input tokens' positions (None: 0, 1, ...; context parallelism sets its share's)
+        self.positions = None
         self._names = {}
         for name, p in model.named_parameters():
             owner = name.split(".")[0]
@@ -130,7 +132,7 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, self.positions)
         for b in self.blocks:
             x = b(x)
         return self.head(x) if self.head is not None else x

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlab.comm.instrumented import Comm
-from dlab.models.gpt import GPT
+from dlab.models.gpt import GPT, causal_attention
 from dlab.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -48,13 +48,14 @@ class ParallelAttention(nn.Module):
         self.q, self.k, self.v = (ColumnParallelLinear.from_linear(m, comm, sp)
                                   for m in (attn.q, attn.k, attn.v))
         self.proj = RowParallelLinear.from_linear(attn.proj, comm, sp)
+        self.core = causal_attention  # swappable, as in ``Attention``: CP puts ring attention here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = column_parallel(x, [self.q, self.k, self.v], self.comm, self.sp)
         b, s, _ = q.shape
         heads = q.shape[-1] // self.head_dim  # this rank's n_head / t heads
         q, k, v = (z.view(b, s, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
 
@@ -88,11 +89,18 @@ class ParallelEmbedding(nn.Module):
                                           vocab_size, comm, sp)
         self.pos = nn.Embedding.from_pretrained(embed.pos.weight.detach().clone(), freeze=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the tokens' places in their sequence (default 0, 1, ...; context
+        parallelism passes its share's). Under sequence parallelism this rank embeds the
+        r-th 1/t slice of them."""
         x = self.tok(idx)
         s = x.shape[1]  # this rank's tokens: all of them, or s/t with sequence parallelism
         first = self.comm.rank * s if self.sp else 0
-        return x + self.pos(torch.arange(first, first + s, device=idx.device))
+        if positions is None:
+            mine = torch.arange(first, first + s, device=idx.device)
+        else:  # a copy, so the lookup saves s indices, not the whole tensor a slice views
+            mine = positions[first: first + s].clone()
+        return x + self.pos(mine)
 
 
 class ParallelHead(nn.Module):
@@ -138,9 +146,9 @@ class TensorParallelGPT(nn.Module):
         self.head = ParallelHead(gpt.head, self.embed.tok.weight if cfg.tied else None, comm, sp)
         self.vocab_start = self.embed.tok.start
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's vocabulary slice of the logits, [b, s, V/t]."""
-        x = self.embed(idx)
+        x = self.embed(idx, positions)
         for block in self.blocks:
             x = block(x)
         return self.head(x)
