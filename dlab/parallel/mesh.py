@@ -9,6 +9,7 @@ side by side.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch.distributed as dist
@@ -42,3 +43,57 @@ class Mesh:
 
     def coords(self) -> dict[str, int]:
         return {d: self.rank(d) for d in self.dims}
+
+    # --- groups across several dimensions -------------------------------------------------
+    def global_rank(self, coords: dict[str, int]) -> int:
+        """The rank at ``coords`` (row-major over the dimensions, the last fastest)."""
+        rank = 0
+        for d, n in self.dims.items():
+            rank = rank * n + coords[d]
+        return rank
+
+    def subgroup(self, dims: tuple[str, ...], select: dict[str, tuple[int, ...]] | None = None
+                 ) -> Comm | None:
+        """A counting ``Comm`` over the ranks that share this rank's coordinates on every
+        dimension but ``dims`` (e.g. ``("dp", "cp")``: the ranks a gradient is reduced over
+        when context parallelism shards the data too). ``select`` keeps only some coordinates
+        of a dimension in ``dims`` (the first and the last pipeline stage, which hold the tied
+        matrix). ``new_group`` is collective, so every rank creates every such group, in the
+        same order; returns this rank's, or None where it is in none."""
+        others = [d for d in self.dims if d not in dims]
+        select = select or {}
+        mine, me = None, self.coords()
+        for fixed in itertools.product(*(range(self.dims[d]) for d in others)):
+            base = dict(zip(others, fixed))
+            members = sorted(self.global_rank({**base, **dict(zip(dims, free))})
+                             for free in itertools.product(
+                                 *(select.get(d, range(self.dims[d])) for d in dims)))
+            group = dist.new_group(members)
+            if all(base[d] == me[d] for d in others) and all(me[d] in select.get(d, (me[d],))
+                                                             for d in dims):
+                mine = Comm(group)
+        return mine
+
+    def folded(self, dims: tuple[str, ...], inner: int) -> tuple[Comm, Comm]:
+        """A dimension of ``inner`` ranks folded onto ``dims`` (Megatron-Core's "parallel
+        folding" of expert parallelism onto the data ranks): the ranks sharing this rank's
+        other coordinates, in row-major order over ``dims``, are cut into consecutive runs of
+        ``inner`` (the folded groups) and into the ranks at the same place of each run (the
+        groups across them). Returns this rank's (folded group, group across)."""
+        others = [d for d in self.dims if d not in dims]
+        me = self.coords()
+        run = across = None
+        for fixed in itertools.product(*(range(self.dims[d]) for d in others)):
+            base = dict(zip(others, fixed))
+            ranks = [self.global_rank({**base, **dict(zip(dims, free))})
+                     for free in itertools.product(*(range(self.dims[d]) for d in dims))]
+            mine = all(base[d] == me[d] for d in others)
+            for k in range(len(ranks) // inner):
+                g = dist.new_group(ranks[k * inner:(k + 1) * inner])
+                if mine and dist.get_rank() in ranks[k * inner:(k + 1) * inner]:
+                    run = Comm(g)
+            for j in range(inner):
+                g = dist.new_group(ranks[j::inner])
+                if mine and dist.get_rank() in ranks[j::inner]:
+                    across = Comm(g)
+        return run, across

@@ -77,10 +77,14 @@ class _SplitLinearFn(torch.autograd.Function):
         dx = dy @ weight
 
         def weight_grad(x=x, dy=dy):
-            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-            _accumulate(weight, dy2.t() @ x2)
-            if bias is not None:
-                _accumulate(bias, dy2.sum(0))
+            # outside autograd's engine when deferred, and x requires grad: without no_grad the
+            # product would join a graph, and so would the .grad it is added into (a view of a
+            # flat gradient buffer under ZeRO in ``nd``)
+            with torch.no_grad():
+                dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+                _accumulate(weight, dy2.t() @ x2)
+                if bias is not None:
+                    _accumulate(bias, dy2.sum(0))
 
         if store.key is None:  # not deferring: an ordinary backward
             weight_grad()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlab.comm.instrumented import Comm
-from dlab.models.gpt import GPT, causal_attention
+from dlab.models.gpt import GPT, MLP, causal_attention
 from dlab.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -74,7 +74,9 @@ class ParallelBlock(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = _copy_layer_norm(block.ln1), _copy_layer_norm(block.ln2)
         self.attn = ParallelAttention(block.attn, comm, sp)
-        self.mlp = ParallelMLP(block.mlp, comm, sp)
+        # A mixture of experts stays whole here (expert parallelism splits it, not tp): under
+        # sequence parallelism each rank routes its own tokens through it.
+        self.mlp = ParallelMLP(block.mlp, comm, sp) if isinstance(block.mlp, MLP) else block.mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

@@ -1,0 +1,178 @@
+"""Data parallelism over the data ranks of one stage, with ZeRO stage 0-3, for a run whose step
+is a pipeline schedule of micro-batches.
+
+It is built from the parts of ``dlab.parallel.zero``: the same flat units (``FlatUnit``: one
+per transformer block, a root for the rest, padded to a multiple of the group), the same fp32
+masters (the owned chunk, a view in stages 1-2, a tensor of its own in stage 3), the same
+free/allocate of a unit's storage. What differs from the single-dimension ``zero1..3`` is when
+gradients are reduced. A step here runs m micro-batches, and a unit's gradient is complete only
+after the last one, so every stage accumulates the *whole* gradient of its units into one flat
+buffer per unit (``.grad`` are views of it, DDP's ``gradient_as_bucket_view``) and
+reduce-scatters it once, after the schedule. That is torchtitan's FSDP under a pipeline
+(gradient sync only on the last micro-batch) and why DeepSpeed refuses ZeRO-2 with its
+pipeline engine: with micro-batches, stage 2 cannot shard the accumulating gradient, only drop
+it after the reduction (so its gradient memory is stage 1's during the step and 1/N after it).
+
+- stage 0: the gradients are all-reduced (one flat message), every rank steps the whole model.
+- stage 1: reduce-scatter each unit's flat gradient, step the owned chunk, all-gather the
+  parameters; the flat gradients stay allocated between steps (as ZeRO-1's full gradients).
+- stage 2: as stage 1, the flat gradients freed after the reduce-scatter.
+- stage 3: as stage 2, and between uses a block holds only its shard: it is gathered before
+  each micro-batch's forward and again before its backward, and freed after each (Zhao et al.,
+  "PyTorch FSDP", sec. 3). The root unit is gathered for the whole step, as FSDP's root.
+
+fp32 only: mixed precision and offload are the single-dimension ``zero*`` strategies' lessons.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlab.comm.instrumented import Comm
+from dlab.metrics import optimizer_tensors, storage_bytes
+from dlab.parallel.zero.flat import FlatUnit
+
+Group = tuple[str, nn.Module | None, list[tuple[str, nn.Parameter]]]
+
+
+def stage_groups(stages) -> list[Group]:
+    """``(unit name, block module or None, [(name, parameter)])`` for this rank's stages: one per
+    block, then a root of the rest (embedding, head, the tied matrix once), root first. Names
+    are the single model's."""
+    named: dict[str, nn.Parameter] = {}
+    for st in stages:
+        named.update(st.named_full_parameters())
+    by_id = {id(p): n for n, p in named.items()}
+    groups, claimed = [], set()
+    for st in stages:
+        for i, block in zip(st.block_range, st.blocks, strict=True):
+            params = [(by_id[id(p)], p) for p in block.parameters() if id(p) in by_id]
+            claimed |= {id(p) for _, p in params}
+            groups.append((f"block{i}", block, params))
+    root = [(n, p) for n, p in named.items() if id(p) not in claimed]
+    return ([("root", None, root)] if root else []) + groups
+
+
+class DataSharding:
+    """ZeRO stage ``stage`` over ``comm`` (the data ranks: dp x cp) for the parameters of
+    ``groups``. ``optimizer_params`` are what the optimizer steps; ``begin_step``, then the
+    schedule, then ``reduce`` and ``step``."""
+
+    def __init__(self, stage: int, groups: list[Group], comm: Comm, device: torch.device,
+                 timeline, divide_by: int | None = None):
+        self.stage, self.comm, self.n, self.tl = stage, comm, comm.size, timeline
+        #: the summed gradient is divided by this: the data ranks whose losses it covers (an
+        #: expert's gradient arrives summed over its ep group already, so it is reduced over
+        #: dp x cp / ep ranks and divided by dp x cp)
+        self.divide_by = divide_by or comm.size
+        self.named = [(name, p) for _, _, ps in groups for name, p in ps]
+        self.params = [p for _, p in self.named]
+        self.units: list[FlatUnit] = []
+        if stage == 0:
+            return
+        self.units = [FlatUnit(name, mod, ps, self.n, comm.rank, torch.float32, device)
+                      for name, mod, ps in groups]
+        for u in self.units:
+            u.shard = u.flat[u.owned].clone() if stage == 3 else u.flat[u.owned]
+            u.master = nn.Parameter(u.shard)
+            del u.initial_shard
+            u.grad_shard = torch.zeros(u.shard_numel, device=device)
+            u.flat_grad = None
+        if stage == 3:
+            for u in self.units:
+                u.free()
+                if u.module is not None:
+                    u.module.register_forward_pre_hook(lambda _m, args, u=u: self._before_forward(u, args))
+                    u.module.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out))
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [u.master for u in self.units] if self.units else self.params
+
+    # --- stage 3: a block whole only while it computes ---------------------------------------
+    def _gather(self, u: FlatUnit) -> None:
+        if not u.gathered:
+            u.allocate()
+            with self.tl.span("all_gather", unit=u.name):
+                self.comm.all_gather_into_tensor(u.flat, u.shard)
+
+    def _before_forward(self, u: FlatUnit, args) -> None:
+        self._gather(u)
+        x = args[0]
+        if x.requires_grad:  # the input's gradient is complete when the block's backward is
+            x.register_hook(lambda g, u=u: (u.free(), g)[1])
+
+    def _after_forward(self, u: FlatUnit, out) -> None:
+        u.free()
+        if out.requires_grad:  # gather again just before this block's backward
+            out.register_hook(lambda g, u=u: (self._gather(u), g)[1])
+
+    # --- the step ----------------------------------------------------------------------------
+    def begin_step(self, optimizer) -> None:
+        """Zero the gradients: fresh flat buffers the ``.grad`` of each unit view (kept from
+        the last step in stage 1); stage 3 gathers its root unit for the whole step."""
+        if not self.units:
+            optimizer.zero_grad(set_to_none=True)
+            return
+        for u in self.units:
+            if u.flat_grad is None:
+                u.flat_grad = torch.zeros(u.padded, device=u.grad_shard.device)
+            else:
+                u.flat_grad.zero_()
+            u.flat_grad_views(u.flat_grad)
+            if self.stage == 3 and u.module is None:
+                self._gather(u)
+
+    def reduce(self) -> None:
+        """Average the gradients over the data ranks: an all-reduce (stage 0) or a
+        reduce-scatter of each unit into its owned chunk."""
+        if not self.units:
+            grads = [p.grad for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.divide_by)
+            with self.tl.span("all_reduce", what="dp"):
+                self.comm.all_reduce(flat)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+            return
+        for u in self.units:
+            with self.tl.span("reduce_scatter", unit=u.name):
+                self.comm.reduce_scatter_tensor(u.grad_shard, u.flat_grad.div_(self.divide_by))
+            if self.stage >= 2:
+                for p in u.params:
+                    p.grad = None
+                u.flat_grad = None
+            if self.stage == 3 and u.module is None:
+                u.free()
+
+    def step(self, optimizer) -> None:
+        for u in self.units:
+            u.master.grad = u.grad_shard
+        with self.tl.span("optimizer"):
+            optimizer.step()
+        for u in self.units:
+            u.master.grad = None
+            if self.stage in (1, 2):  # every rank needs the whole updated replica
+                with self.tl.span("all_gather", unit=u.name):
+                    self.comm.all_gather_into_tensor(u.flat, u.shard)
+
+    # --- reports -----------------------------------------------------------------------------
+    def memory(self, optimizer) -> dict[str, int]:
+        """Model state counted from the storages held after the step."""
+        shards = [u.shard for u in self.units]
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return {"parameters": storage_bytes(self.params + shards),
+                "gradients": storage_bytes(grads + [u.grad_shard for u in self.units]),
+                "optimizer": storage_bytes(optimizer_tensors(optimizer))}
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (its tensor-parallel shards) whole over the data ranks,
+        under the single model's names; stage 3 gathers them from the shards (raw backend:
+        checkpoint traffic, not the step's)."""
+        if self.stage != 3:
+            return {name: p.detach() for name, p in self.named}
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.padded, device=u.shard.device)
+            dist.all_gather_into_tensor(full, u.shard.detach(), group=self.comm.group)
+            out.update(u.unflatten(full))
+        return out

@@ -1,0 +1,289 @@
+"""The ``nd`` strategy: every dimension on one mesh - pipeline stages, data parallelism with ZeRO
+stage 0-3, context parallelism, tensor parallelism with or without sequence parallelism, and
+expert parallelism folded onto the data ranks.
+
+``dlab.launch("nd", 8, options={"dp": 2, "zero": 3, "pp": 2, "tp": 2})``. Options: ``pp``,
+``dp`` (default: what the others leave), ``cp``, ``tp``, ``ep`` (degrees); ``zero`` (0-3 over
+the dp x cp data ranks); ``schedule`` (gpipe, 1f1b - default -, interleaved, zb-h1, zbv),
+``microbatches`` (default 4 with pp > 1, else 1), ``virtual_stages``; ``sequence_parallel``;
+``attention`` (ring or allgather) and ``layout`` (zigzag or contiguous) for cp;
+``reduce_scatter`` (backend or ring) and ``recv_ahead``. The mesh and its order: ``layout.py``.
+
+One step, on every rank, is built from the single-dimension strategies' parts:
+
+1. the model: the GPT built from the seed (``Strategy.build_model``), cut into this rank's
+   tensor-parallel shard (``TensorParallelGPT``), its MoE layers' experts cut to this rank's
+   E/ep with the all-to-all dispatch (``ExpertParallelCombine``), every attention core
+   replaced by the ring (or all-gather) over the cp group (``context.attention``), and the
+   blocks dealt out to pipeline stages by parameter count (``StageModule``, ``partition``);
+2. the data: this replica's rows of the global batch (by dp coordinate), this cp rank's
+   tokens of each sequence (``context.layout.positions``), cut into m micro-batches;
+3. the schedule: ``pipeline.Executor`` runs this pipeline rank's action list (with pp = 1, a
+   one-stage schedule: m forward/backward pairs, i.e. gradient accumulation);
+4. the gradient reductions, each over its own group: the tied embedding/head matrix over the
+   first and last stage; under sequence parallelism the replicated parameters over tp; every
+   dense parameter over the dp x cp data ranks with ZeRO (``sharding.DataSharding``); an
+   expert's over the data ranks holding the same expert;
+5. the optimizer step (on the owned chunks for ZeRO >= 1) and, for stages 1-2, the all-gather
+   of the updated replica.
+
+Each rank's loss is the mean over its tokens / m; the data ranks hold equally many tokens, so
+averaging the summed gradients over them gives the gradient of the global mean loss, which is
+what makes every layout train like ``single`` (tests/test_nd_parity.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from dlab.comm.instrumented import reduce_scatter_option
+from dlab.data import shard
+from dlab.metrics import ActivationMeter
+from dlab.parallel import register
+from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy
+from dlab.parallel.context import layout as cp_layout
+from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
+from dlab.parallel.expert.dispatch import ExpertParallelCombine
+from dlab.parallel.expert.strategy import owner
+from dlab.parallel.mesh import Mesh
+from dlab.parallel.nd.layout import MESH_ORDER, SCHEDULES, Layout
+from dlab.parallel.nd.sharding import DataSharding, stage_groups
+from dlab.parallel.pipeline import schedules
+from dlab.parallel.pipeline.executor import Executor
+from dlab.parallel.pipeline.split import StageModule, param_costs, partition
+from dlab.parallel.pipeline.weight_grad import WeightGradStore, split_linears
+from dlab.parallel.tensor.model import TensorParallelGPT
+from dlab.parallel.tensor.strategy import all_reduce_grads, gather_shards
+from dlab.parallel.zero.sharded import UnitActivationMeter
+
+ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}
+
+OPTIONS = {
+    "dp": Option("int", "data-parallel replicas (default: world / (pp tp cp))", minimum=1),
+    "pp": Option("int", "pipeline stages (ranks per pipeline)", default=1, minimum=1),
+    "tp": Option("int", "tensor-parallel ranks per layer", default=1, minimum=1),
+    "cp": Option("int", "context-parallel ranks per sequence", default=1, minimum=1),
+    "ep": Option("int", "expert-parallel ranks, folded onto the dp x cp data ranks (model='moe')",
+                 default=1, minimum=1),
+    "zero": Option("choice", "ZeRO stage over the dp x cp data ranks", default=0,
+                   choices=(0, 1, 2, 3)),
+    "schedule": Option("choice", "the pipeline schedule", default="1f1b", choices=SCHEDULES),
+    "microbatches": Option("int", "micro-batches per step (default 4 with pp > 1, else 1)",
+                           minimum=1),
+    "virtual_stages": Option("int", "stages per rank for interleaved (default 2)", minimum=1),
+    "sequence_parallel": Option("bool", "split the sequence over tp outside the tensor-parallel "
+                                "regions (Korthikanti et al.)", default=False),
+    "attention": Option("choice", "context-parallel attention", default="ring",
+                        choices=tuple(ATTENTION)),
+    "layout": Option("choice", "how cp cuts a sequence", default="zigzag",
+                     choices=cp_layout.LAYOUTS),
+    "recv_ahead": Option("int", "pipeline receives kept posted ahead (default 2v on Gloo)",
+                         minimum=0),
+    **REDUCE_SCATTER,
+}
+
+
+@register("nd")
+class ND(Strategy):
+    """Every dimension on one mesh: PP x DP (ZeRO 0-3) x CP x TP (+SP), EP folded onto DP x CP."""
+
+    OPTIONS = OPTIONS
+
+    @classmethod
+    def problems(cls, config):
+        out = super().problems(config)
+        lay = Layout.from_config(config)
+        out += lay.problems(config)
+        if config.options.get("recv_ahead", 0) > 0 and config.resolved_backend() == "nccl":
+            out.append("recv_ahead > 0 can deadlock on NCCL; use recv_ahead=0 with NCCL")
+        return out
+
+    # --- setup ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        ctx, cfg = self.ctx, self.ctx.config
+        self.lay = lay = Layout.from_config(cfg)
+        self.mesh = mesh = Mesh(lay.dims, device_type=ctx.device.type)
+        self.pp_rank = mesh.rank("pp")
+        for dim in MESH_ORDER:
+            mesh.comm(dim).reduce_scatter_algorithm = reduce_scatter_option(cfg)
+        self.data_comm = mesh.subgroup(("dp", "cp"))
+        self.data_comm.reduce_scatter_algorithm = reduce_scatter_option(cfg)
+        self.sched = schedules.build(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
+        full = self.build_model()
+        self.state_keys = list(full.state_dict())
+        blocks, first, last = param_costs(full)
+        self.ranges = partition(blocks, self.sched.n_stages, first, last)
+        model = full
+        if lay.tp > 1:
+            model = TensorParallelGPT(full, mesh.comm("tp"), lay.sequence_parallel).to(ctx.device)
+        self.expert_comm, self.expert_data_comm = self._split_experts(model)
+        self.positions = self._context_parallel(model)
+        n = self.sched.n_stages
+        self.stages = {s: StageModule(model, self.ranges[s], s == 0, s == n - 1)
+                       for s in self.sched.stages_of(self.pp_rank)}
+        for st in self.stages.values():
+            st.positions = self.positions
+        self.tied_comm = self._tied_comm(model)
+        groups = stage_groups(self.stages.values())
+        expert_groups = self._expert_groups(groups)
+        self.dense = DataSharding(lay.zero, groups, self.data_comm, ctx.device, ctx.timeline)
+        self.experts = (DataSharding(lay.zero, expert_groups, self.expert_data_comm, ctx.device,
+                                     ctx.timeline, divide_by=self.data_comm.size)
+                        if expert_groups else None)
+        self.shardings = [s for s in (self.dense, self.experts) if s is not None]
+        self.params = [p for s in self.shardings for p in s.params]
+        mine = {id(p) for p in self.params}
+        self.sp_params = [p for p in (model.sequence_parallel_params() if lay.tp > 1 else [])
+                          if id(p) in mine]  # this rank's stages' only
+        self.optimizer = self.build_optimizer([p for s in self.shardings for p in s.optimizer_params()])
+        self.meter = (UnitActivationMeter([u for s in self.shardings for u in s.units])
+                      if lay.zero == 3 else ActivationMeter(self.params))
+        self.store = WeightGradStore(self.meter) if self.sched.split_backward else None
+        if self.store is not None:
+            for st in self.stages.values():
+                split_linears(st, self.store)
+        k = cfg.options.get("recv_ahead", 0 if cfg.resolved_backend() == "nccl"
+                            else 2 * lay.virtual_stages)
+        self.executor = Executor(self.sched, self.pp_rank, self.stages, mesh.comm("pp"),
+                                 ctx.timeline, self.meter, self.store, ctx.device, recv_ahead=k)
+        mc = cfg.model_config()
+        tokens = mc.seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1)
+        self.act_shape = (cfg.batch_size // (lay.dp * lay.microbatches), tokens, mc.d_model)
+
+    def _split_experts(self, model):
+        """Keep this rank's E/ep experts of every MoE layer and route tokens to the others'
+        over the folded ep group (``dispatch``); returns (ep group, expert-data group)."""
+        lay = self.lay
+        if self.ctx.config.model != "moe":
+            return None, None
+        ep_comm, across = self.mesh.folded(("dp", "cp"), lay.ep)
+        n_expert = self.ctx.config.model_config().n_expert
+        for block in model.blocks:
+            moe = block.mlp
+            local = {e: moe.experts[e] for e in range(n_expert)
+                     if owner(e, n_expert, lay.ep) == ep_comm.rank}
+            moe.experts = torch.nn.ModuleList(local.values())
+            moe.first_expert = min(local)
+            moe.combine = ExpertParallelCombine(ep_comm, local, n_expert)
+        return ep_comm, across
+
+    def _expert_groups(self, groups) -> list:
+        """Take the experts out of ``groups`` (they are reduced over other ranks) and return
+        them as units of their own, one per layer, under the single model's expert names."""
+        if self.expert_comm is None:
+            return []
+        out = []
+        for gi, (name, mod, params) in enumerate(groups):
+            experts = [(n, p) for n, p in params if ".experts." in n]
+            if not experts:
+                continue
+            groups[gi] = (name, mod, [(n, p) for n, p in params if ".experts." not in n])
+            layer = int(experts[0][0].split(".")[1])
+            first = self.stage_block(layer).mlp.first_expert
+            out.append((f"experts{layer}", None, [(_global_expert(n, first), p) for n, p in experts]))
+        return out
+
+    def stage_block(self, layer: int):
+        for st in self.stages.values():
+            if layer in st.block_range:
+                return st.blocks[st.block_range.index(layer)]
+        raise KeyError(layer)
+
+    def _context_parallel(self, model) -> torch.Tensor | None:
+        """This cp rank's token positions; every attention core becomes the ring over cp."""
+        lay, cfg = self.lay, self.ctx.config
+        if lay.cp == 1:
+            return None
+        how = cfg.options.get("layout", "zigzag")
+        seq_len = cfg.model_config().seq_len
+        positions = [cp_layout.positions(how, seq_len, r, lay.cp).to(self.ctx.device)
+                     for r in range(lay.cp)]
+        core = functools.partial(ATTENTION[cfg.options.get("attention", "ring")],
+                                 ring=Ring(self.mesh.comm("cp"), positions))
+        for block in model.blocks:
+            block.attn.core = core
+        return positions[self.mesh.rank("cp")]
+
+    def _tied_comm(self, model):
+        """The first and the last stage's ranks of this pipeline, each holding (its tensor-
+        parallel shard of) the tied matrix: their gradients are summed after the schedule."""
+        first, last = self.sched.stage_rank[0], self.sched.stage_rank[-1]
+        if not model.cfg.tied or first == last:
+            return None
+        return self.mesh.subgroup(("pp",), select={"pp": (first, last)})
+
+    # --- a step ---------------------------------------------------------------------------
+    def step(self, batch):
+        lay, tl = self.lay, self.ctx.timeline
+        x, y = shard(batch, self.mesh.rank("dp"), lay.dp)
+        if self.positions is not None:
+            cols = self.positions.cpu()
+            x, y = x[:, cols], y[:, cols]
+        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        for s in self.shardings:
+            s.begin_step(self.optimizer)
+        self.meter.reset_peak()
+        loss = self.executor.run(list(x.chunk(lay.microbatches)), list(y.chunk(lay.microbatches)),
+                                 self.act_shape)
+        if self.tied_comm is not None:
+            with tl.span("all_reduce", what="tied"):
+                self.tied_comm.all_reduce(self.stages_param("embed.tok.weight").grad)
+        if self.sp_params:
+            with tl.span("all_reduce", what="sequence_parallel"):
+                all_reduce_grads(self.sp_params, self.mesh.comm("tp"), average=False)
+        for s in self.shardings:
+            s.reduce()
+        for s in self.shardings:
+            s.step(self.optimizer)
+        # Logging: the last stage's ranks know their data ranks' losses; one raw all-reduce.
+        t = torch.zeros(1, device=self.ctx.device)
+        if loss is not None:
+            t += loss.reshape(1) / (lay.dp * lay.cp * lay.tp)
+        dist.all_reduce(t)
+        return t.item()
+
+    def stages_param(self, name: str):
+        for st in self.stages.values():
+            named = st.named_full_parameters()
+            if name in named:
+                return named[name]
+        raise KeyError(name)
+
+    # --- reporting ------------------------------------------------------------------------
+    def memory(self):
+        mem = {"parameters": 0, "gradients": 0, "optimizer": 0}
+        for s in self.shardings:
+            for k, v in s.memory(self.optimizer).items():
+                mem[k] += v
+        mem["activations"] = self.meter.peak
+        mem["comm_buffers"] = self.executor.posted_peak
+        return mem
+
+    def full_state_dict(self):
+        mine = {}
+        for s in self.shardings:
+            mine.update(s.full_params())
+        tp = self.mesh.group("tp")
+        mine = {k: gather_shards(t, TensorParallelGPT.shard_dim(k) if self.lay.tp > 1 else None,
+                                 tp).cpu().clone() for k, t in mine.items()}
+        groups = [self.mesh.group("pp")] + ([self.expert_comm.group] if self.expert_comm else [])
+        for group in groups:
+            gathered = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            mine = {k: v for part in gathered for k, v in part.items()}
+        return {k: mine[k] for k in self.state_keys}
+
+    def comms(self):
+        extra = [self.data_comm, self.tied_comm, self.expert_comm, self.expert_data_comm]
+        return list(self.mesh.comms.values()) + [c for c in extra if c is not None]
+
+
+def _global_expert(name: str, first: int) -> str:
+    """``blocks.1.mlp.experts.0.fc.weight`` on a rank whose first expert is 2 ->
+    ``blocks.1.mlp.experts.2.fc.weight``."""
+    parts = name.split(".")
+    i = parts.index("experts")
+    parts[i + 1] = str(first + int(parts[i + 1]))
+    return ".".join(parts)
