@@ -57,7 +57,8 @@ def stage_groups(stages) -> list[Group]:
 class DataSharding:
     """ZeRO stage ``stage`` over ``comm`` (the data ranks: dp x cp) for the parameters of
     ``groups``. ``optimizer_params`` are what the optimizer steps; ``begin_step``, then the
-    schedule, then ``reduce`` and ``step``."""
+    schedule, then ``reduce``, ``hand_grads``, the optimizer's step (one for every
+    sharding of the rank) and ``after_step``."""
 
     def __init__(self, stage: int, groups: list[Group], comm: Comm, device: torch.device,
                  timeline, divide_by: int | None = None):
@@ -144,11 +145,12 @@ class DataSharding:
             if self.stage == 3 and u.module is None:
                 u.free()
 
-    def step(self, optimizer) -> None:
+    def hand_grads(self) -> None:
+        """Give each owned chunk's master its reduced gradient (the optimizer steps next)."""
         for u in self.units:
             u.master.grad = u.grad_shard
-        with self.tl.span("optimizer"):
-            optimizer.step()
+
+    def after_step(self) -> None:
         for u in self.units:
             u.master.grad = None
             if self.stage in (1, 2):  # every rank needs the whole updated replica

@@ -235,8 +235,11 @@ class ND(Strategy):
                 all_reduce_grads(self.sp_params, self.mesh.comm("tp"), average=False)
         for s in self.shardings:
             s.reduce()
+            s.hand_grads()
+        with tl.span("optimizer"):
+            self.optimizer.step()
         for s in self.shardings:
-            s.step(self.optimizer)
+            s.after_step()
         # Logging: the last stage's ranks know their data ranks' losses; one raw all-reduce.
         t = torch.zeros(1, device=self.ctx.device)
         if loss is not None:
