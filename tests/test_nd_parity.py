@@ -1,0 +1,78 @@
+"""``nd``: every dimension on one mesh trains exactly like ``single``.
+
+Each layout runs 3 SGD steps of a 4-block GPT (or MoE GPT) and must give the reference's
+losses and final parameters to 1e-5 (fp32: the ranks sum the same numbers in another order),
+with every rank's gathered parameters equal bit for bit. The default run keeps four 4-rank
+pairings of dimensions; the other pairings and the 8- and 16-rank layouts (three and four
+dimensions at once) are ``slow``. Bad layouts are refused before any process starts."""
+from __future__ import annotations
+
+import pytest
+from helpers import assert_same_training
+
+import dlab
+from dlab.config import ConfigError
+
+GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
+       "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
+MOE = {**GPT, "model": "moe", "model_options": {**GPT["model_options"], "n_layer": 2,
+                                                 "n_expert": 4, "top_k": 2}}
+SP = {"sequence_parallel": True}
+
+FOUR = [  # pairs of dimensions, each with a different ZeRO stage or schedule
+    (GPT, {"dp": 2, "zero": 3, "tp": 2, **SP}),
+    (GPT, {"dp": 2, "zero": 1, "pp": 2}),
+    (GPT, {"pp": 2, "cp": 2, "schedule": "interleaved"}),
+    (MOE, {"dp": 2, "ep": 2, "tp": 2, **SP}),
+    pytest.param(GPT, {"cp": 2, "tp": 2, "zero": 2, **SP}, marks=pytest.mark.slow),
+    pytest.param(GPT, {"dp": 2, "zero": 3, "pp": 2, "schedule": "zbv"}, marks=pytest.mark.slow),
+]
+WIDE = [  # three or four dimensions at once
+    (8, GPT, {"dp": 2, "zero": 3, "pp": 2, "tp": 2}),
+    (8, GPT, {"pp": 2, "tp": 2, "cp": 2, **SP}),
+    (8, GPT, {"dp": 2, "zero": 1, "pp": 2, "cp": 2, "attention": "allgather"}),
+    (8, MOE, {"dp": 2, "cp": 2, "ep": 4, "tp": 2, "zero": 2, **SP}),
+    (16, MOE, {"dp": 2, "pp": 2, "tp": 2, "cp": 2, "ep": 4, "zero": 1, **SP}),
+]
+
+
+def _id(case) -> str:
+    *_, config, options = case.values if hasattr(case, "values") else case
+    return f"{config['model']}-" + "-".join(f"{k}{v}" for k, v in options.items())
+
+
+def check(world, config, options, runs_dir, reference):
+    run = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, save_final=True,
+                      options=options, **config)
+    assert_same_training(run, reference(**config))
+    return run
+
+
+@pytest.mark.parametrize("config,options", FOUR, ids=[_id(c) for c in FOUR])
+def test_two_dimensions_on_four_ranks_train_like_single(config, options, runs_dir, reference):
+    check(4, config, options, runs_dir, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,config,options", WIDE, ids=[_id(c) for c in WIDE])
+def test_three_and_four_dimensions_train_like_single(world, config, options, runs_dir, reference):
+    check(world, config, options, runs_dir, reference)
+
+
+@pytest.mark.parametrize("world,config,options,match", [
+    (8, GPT, {"dp": 2, "pp": 2, "tp": 3}, "takes 12 ranks but world_size=8"),
+    (4, GPT, {"tp": 4}, "n_head=2 is not divisible by tp=4"),
+    (4, {**GPT, "model_options": {**GPT["model_options"], "seq_len": 30}}, {"cp": 2},
+     "seq_len=30 does not cut into 4 equal chunks"),
+    (4, {**MOE, "model_options": {**MOE["model_options"], "n_expert": 3}}, {"ep": 2},
+     "n_expert=3 does not split over ep=2"),
+    (4, GPT, {"ep": 2}, "use model='moe'"),
+    (4, GPT, {"pp": 4, "schedule": "interleaved"}, "8 stages but the model has n_layer=4"),
+    (4, MOE, {"cp": 2, "tp": 2, "ep": 4, **SP}, "ep=4 folds onto the dp x cp = 2"),
+    (4, MOE, {"tp": 2, "ep": 2}, "need sequence_parallel=True"),
+    (4, GPT, {"zero": 4}, "zero=4 is not one of"),
+])
+def test_bad_layouts_are_refused_before_start(world, config, options, match, runs_dir):
+    with pytest.raises(ConfigError, match=match):
+        dlab.launch("nd", world, runs_dir=runs_dir, options=options, **config)
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())
