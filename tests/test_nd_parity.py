@@ -11,7 +11,9 @@ import pytest
 from helpers import assert_same_training
 
 import dlab
-from dlab.config import ConfigError
+from dlab.config import ConfigError, RunConfig
+from dlab.estimate import nd
+from dlab.parallel.nd.layout import Layout
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
@@ -42,9 +44,23 @@ def _id(case) -> str:
 
 
 def check(world, config, options, runs_dir, reference):
+    """Parity with ``single``, then every rank's model state and (GPT) bytes sent per step
+    against ``dlab.estimate.nd``."""
     run = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, save_final=True,
                       options=options, **config)
     assert_same_training(run, reference(**config))
+    cfg = RunConfig.from_dict(run.config())
+    lay = Layout.from_config(cfg)
+    mc = cfg.model_config()
+    for r in range(world):
+        pp_rank = r // (world // lay.pp)  # the mesh is row-major over (pp, dp, cp, tp)
+        want = nd.model_state(mc, lay, pp_rank, cfg.optimizer)
+        sent = nd.step_bytes(mc, lay, cfg.batch_size, pp_rank, options.get("attention", "ring"))
+        for m in run.metrics(r):
+            got = {k: m["memory"][k] for k in want}
+            assert got == want, (r, got, want)
+            if config["model"] == "gpt":
+                assert m["comm"]["sent_bytes"] == pytest.approx(sent["total"], rel=1e-12), (r, sent)
     return run
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlab.comm.instrumented import Comm
-from dlab.metrics import optimizer_tensors, storage_bytes
+from dlab.metrics import storage_bytes
 from dlab.parallel.zero.flat import FlatUnit
 
 Group = tuple[str, nn.Module | None, list[tuple[str, nn.Parameter]]]
@@ -158,13 +158,13 @@ class DataSharding:
                     self.comm.all_gather_into_tensor(u.flat, u.shard)
 
     # --- reports -----------------------------------------------------------------------------
-    def memory(self, optimizer) -> dict[str, int]:
-        """Model state counted from the storages held after the step."""
+    def memory(self) -> dict[str, int]:
+        """Parameters and gradients counted from the storages held after the step (the
+        optimizer's state is the rank's, counted once by the strategy)."""
         shards = [u.shard for u in self.units]
         grads = [p.grad for p in self.params if p.grad is not None]
         return {"parameters": storage_bytes(self.params + shards),
-                "gradients": storage_bytes(grads + [u.grad_shard for u in self.units]),
-                "optimizer": storage_bytes(optimizer_tensors(optimizer))}
+                "gradients": storage_bytes(grads + [u.grad_shard for u in self.units])}
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (its tensor-parallel shards) whole over the data ranks,

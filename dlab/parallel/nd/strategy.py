@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from dlab.comm.instrumented import reduce_scatter_option
 from dlab.data import shard
-from dlab.metrics import ActivationMeter
+from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy
 from dlab.parallel.context import layout as cp_layout
@@ -256,9 +256,10 @@ class ND(Strategy):
 
     # --- reporting ------------------------------------------------------------------------
     def memory(self):
-        mem = {"parameters": 0, "gradients": 0, "optimizer": 0}
+        mem = {"parameters": 0, "gradients": 0,
+               "optimizer": storage_bytes(optimizer_tensors(self.optimizer))}
         for s in self.shardings:
-            for k, v in s.memory(self.optimizer).items():
+            for k, v in s.memory().items():
                 mem[k] += v
         mem["activations"] = self.meter.peak
         mem["comm_buffers"] = self.executor.posted_peak

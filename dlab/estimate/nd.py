@@ -1,0 +1,160 @@
+"""An N-D layout on paper: the model state each rank of ``nd`` holds and the bytes it sends.
+
+A rank is (pipeline rank, data rank, cp rank, tp rank). What it holds depends on its pipeline
+rank (which blocks, whether it has the embedding or the head) and on the layout's degrees; the
+data, cp and tp coordinates only pick *which* equal share. With n = dp x cp data ranks, the
+rank's parameters form units (one per block of its stages, a root for the rest; the experts of
+a MoE layer a unit of their own over the n / ep ranks holding the same experts), each padded to
+a multiple of its group (``memory.padded``). Per element, fp32, SGD with momentum (K = 4) or
+Adam (K = 8, plus one 4-byte step counter per tensor):
+
+    ZeRO   parameters          gradients                      optimizer
+    0      sum u               sum u                          K sum u
+    1      sum pad(u)          sum pad(u) + sum pad(u)/n      K sum pad(u)/n
+    2      sum pad(u)          sum pad(u)/n                   K sum pad(u)/n
+    3      sum pad(u)/n        sum pad(u)/n                   K sum pad(u)/n
+
+Stage 1 keeps its whole flat gradient between steps *and* the reduced shard the optimizer
+reads (``nd.sharding``). A block's parameters on a tensor-parallel rank are
+``tensor.block_params`` (a MoE block: attention's shard, the two norms, the router and E/ep
+whole experts); the embedding's and head's shards are ``tensor.embedding_params`` and
+``tensor.head_params`` (the last stage keeps its own copy of a tied matrix unless it also holds
+the embedding).
+
+Bytes sent per step, under ``dlab.comm.instrumented``'s ring model, with b = B/dp sequences of
+T/cp tokens on the rank and A = b (T/cp) h x 4 bytes: tensor parallelism
+``tensor.layer_bytes`` per block on those tokens, plus the embedding's, head's and loss's terms
+on the first and last stage and, under sequence parallelism, the replicated parameters'
+gradients; context parallelism ``context.sent_per_step``'s K/V terms for the rank's heads
+(h/t wide); the pipeline one activation per micro-batch to the next stage and one gradient to
+the previous (A / t each under sequence parallelism, which sends only the rank's slice); the
+tied matrix's gradient between the first and last stage; the data reduction: an all-reduce
+(ZeRO 0) or a reduce-scatter of every unit plus one all-gather (stages 1-2) or 2m all-gathers
+of every block and one of the root (stage 3: before each micro-batch's forward and backward).
+Every term is linear in the batch, so the micro-batches change only stage 3's gathers.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from dlab.estimate import tensor
+from dlab.estimate.memory import padded
+from dlab.parallel.nd.layout import Layout
+from dlab.parallel.pipeline import schedules
+from dlab.parallel.pipeline.split import partition
+
+FP32 = 4
+
+
+def _stages(cfg, lay: Layout, pp_rank: int) -> tuple[list[range], list[int], int]:
+    """(block ranges of all stages, this pipeline rank's stage indices, number of stages),
+    blocks dealt out by parameter count as ``nd`` deals them (``split.partition``, with the
+    embedding's and the head's counts loading the first and last stage)."""
+    sched = schedules.build(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
+    d, v, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    block = _block_params(cfg, 1)
+    ranges = partition([float(block)] * cfg.n_layer, sched.n_stages, float(v * d + s * d),
+                       float(2 * d + v * d))
+    return ranges, sched.stages_of(pp_rank), sched.n_stages
+
+
+def _block_params(cfg, tp: int) -> int:
+    if not hasattr(cfg, "n_expert"):
+        return tensor.block_params(cfg, tp)
+    d, t = cfg.d_model, tp
+    attention = 2 * 2 * d + 3 * (d * d // t + d // t) + (d * d // t + d)
+    return attention + d * cfg.n_expert  # + the router; the experts are a unit of their own
+
+
+def _expert_params(cfg, ep: int) -> int:
+    return cfg.n_expert // ep * cfg.mlp_params()
+
+
+def units(cfg, lay: Layout, pp_rank: int) -> tuple[list[int], list[int]]:
+    """(dense units, expert units) of the ranks at pipeline rank ``pp_rank``: root first."""
+    ranges, mine, n = _stages(cfg, lay, pp_rank)
+    first, last = 0 in mine, n - 1 in mine
+    root = (tensor.embedding_params(cfg, lay.tp) if first else 0) + (
+        tensor.head_params(cfg, lay.tp, tied_in_embedding=first) if last else 0)
+    blocks = [_block_params(cfg, lay.tp) for s in mine for _ in ranges[s]]
+    experts = ([_expert_params(cfg, lay.ep)] * len(blocks) if hasattr(cfg, "n_expert") else [])
+    return ([root] if root else []) + blocks, experts
+
+
+def _state(sizes: list[int], n: int, zero: int, k: int, counters: int) -> dict[str, int]:
+    full = sum(padded(u, n) for u in sizes) if zero else sum(sizes)
+    chunk = full // n if zero else full
+    return {"parameters": FP32 * (chunk if zero == 3 else full),
+            "gradients": FP32 * ({0: full, 1: full + chunk}.get(zero, chunk)),
+            "optimizer": k * chunk + counters}
+
+
+def model_state(cfg, lay: Layout, pp_rank: int, optimizer: str = "sgd",
+                tensors: int | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state a rank at ``pp_rank`` holds after a
+    step. ``tensors``: parameter tensors the optimizer steps (Adam keeps a 4-byte counter per
+    tensor; with ZeRO one per unit)."""
+    dense, experts = units(cfg, lay, pp_rank)
+    k = 8 if optimizer == "adam" else 4
+    n = lay.dp * lay.cp
+    out = {}
+    for sizes, group in ((dense, n), (experts, n // lay.ep)):
+        if not sizes:
+            continue
+        counters = 0
+        if optimizer == "adam":
+            counters = 4 * (len(sizes) if lay.zero else (tensors or 0))
+        for key, val in _state(sizes, group, lay.zero, k, counters).items():
+            out[key] = out.get(key, 0) + val
+    return out
+
+
+def step_bytes(cfg, lay: Layout, global_batch: int, pp_rank: int,
+               attention: str = "ring") -> dict[str, float]:
+    """Bytes a rank at ``pp_rank`` sends in a step (ring model), by dimension, and ``total``
+    (a GPT: a MoE's all-to-all depends on the routing, ``estimate.expert``)."""
+    ranges, mine, n_stages = _stages(cfg, lay, pp_rank)
+    first, last = 0 in mine, n_stages - 1 in mine
+    t, c, m, sp = lay.tp, lay.cp, lay.microbatches, lay.sequence_parallel
+    b, tokens = global_batch // lay.dp, cfg.seq_len // c
+    local = dataclasses.replace(cfg, seq_len=tokens)  # the rank's share of each sequence
+    a = b * tokens * cfg.d_model * FP32
+    blocks = sum(len(ranges[s]) for s in mine)
+    out = dict.fromkeys(("tensor", "context", "pipeline", "tied", "data"), 0.0)
+    if t > 1:
+        tp = tensor.step_bytes(local, b, t, 1, sp)
+        out["tensor"] = blocks * tensor.layer_bytes(local, b, t, sp) + (
+            tp["embedding"] if first else 0.0) + (tp["head"] + tp["loss"] if last else 0.0)
+        if sp:
+            out["tensor"] += 2 * (t - 1) / t * FP32 * _replicated(cfg, blocks, first, last)
+    if c > 1:
+        kv = 2 * b * tokens * (cfg.d_model // t) * FP32
+        out["context"] = blocks * {"allgather": 2 * (c - 1), "ring": 3 * c - 2}[attention] * kv
+    boundary = a // (t if sp else 1)
+    for s in mine:
+        if s + 1 < n_stages and s + 1 not in mine:
+            out["pipeline"] += boundary
+        if s > 0 and s - 1 not in mine:
+            out["pipeline"] += boundary
+    if cfg.tied and lay.pp > 1 and (first or last) and not (first and last):
+        out["tied"] = cfg.vocab_size // t * cfg.d_model * FP32
+    n = lay.dp * c
+    dense, _ = units(cfg, lay, pp_rank)
+    ring = (n - 1) / n
+    if lay.zero == 0:
+        out["data"] = 2 * ring * FP32 * sum(dense)
+    else:
+        root = 1 if (first or last) else 0
+        for i, u in enumerate(dense):
+            gathers = 1 if lay.zero < 3 or i < root else 2 * m
+            out["data"] += ring * FP32 * padded(u, n) * (1 + gathers)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _replicated(cfg, blocks: int, first: bool, last: bool) -> int:
+    """Parameters whole on every tensor-parallel rank of these stages (two norms and two
+    row-parallel biases per block, the positions on the first stage, the final norm on the
+    last): under sequence parallelism their gradients are summed over tp."""
+    d = cfg.d_model
+    return blocks * 6 * d + (cfg.seq_len * d if first else 0) + (2 * d if last else 0)
