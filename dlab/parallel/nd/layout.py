@@ -94,8 +94,12 @@ class Layout:
             return [f"the layout {shown} takes {product} ranks but world_size={config.world_size}; "
                     f"pick degrees whose product is {config.world_size} (leave dp out and it "
                     f"takes what pp x tp x cp leave, when they divide the world)"]
+        if self.zero > 3:
+            out.append(f"zero={self.zero}: ZeRO has stages 0 (plain data parallelism) to 3 "
+                       f"(parameters sharded too); pick one of those")
         if config.model not in ("gpt", "moe"):
-            return [f"nd composes the GPT's dimensions; use model='gpt' or 'moe' (got {config.model!r})"]
+            return out + [f"nd composes the GPT's dimensions; use model='gpt' or 'moe' "
+                          f"(got {config.model!r})"]
         mc = config.model_config()
         out += model_split_problems(mc, self.tp)
         pieces = cp_layout.chunks(config.options.get("layout", "zigzag"), self.cp) if self.cp > 1 else 1
