@@ -49,7 +49,7 @@ def check(world, config, options, runs_dir, reference):
     run = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, save_final=True,
                       options=options, **config)
     assert_same_training(run, reference(**config))
-    cfg = RunConfig.from_dict(run.config())
+    cfg = RunConfig.from_dict(run.config)
     lay = Layout.from_config(cfg)
     mc = cfg.model_config()
     for r in range(world):
