@@ -26,9 +26,9 @@ One layer (``Block``) saves, in elements:
 With ``attention_core="math"`` the core keeps the softmax's output instead of the log-sum-exp,
 ``core.softmax`` = a c^2 b / t; its q, k, v are then the (b a, s, h/a) copies its batched
 matmuls make when b > 1 (the same bytes; the linears' outputs are saved by nobody). Under
-context parallelism (n > 1, ring attention) the core saves q, k, v, its output and the
-log-sum-exp, and its output's layout makes proj keep a copy of its own, ``proj.attn_input``
-(c b h / t) beside ``core.out``. The whole layer is 4 c b h / r + 4 c b h / t + 2 c b f / t
+context parallelism (n > 1) the core is the ring attention whatever ``attention_core`` says;
+it saves what the fused kernel saves, at c tokens: q, k, v, its output (laid out as q, so
+proj's input is a view of it) and the log-sum-exp. The whole layer is 4 c b h / r + 4 c b h / t + 2 c b f / t
 elements plus the small terms: with f = 4h and no parallelism 16 s b h, 64 s b h bytes.
 
 The paper's count (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
@@ -46,9 +46,9 @@ a s b of log-sum-exp). Layer norm statistics are left out of the paper's count (
 
 Recomputation (``dlab.models.recompute``):
 
-- selective keeps q, k, v (the checkpoint's inputs) and drops what the core keeps beyond them:
-  core.lse (fused), core.softmax (math), core.out and core.lse (ring, whose output proj does not
-  share). The paper's selective count is 34 s b h / (t or r): their whole 5 a s^2 b term.
+- selective keeps q, k, v (the checkpoint's inputs) and the output (proj's input) and drops
+  what the core keeps beyond them: core.lse (fused, ring), core.softmax (math). The paper's
+  selective count is 34 s b h / (t or r): their whole 5 a s^2 b term goes.
 - full keeps only each recomputed block's input, c b h / r (the paper's 2 s b h bytes in fp16).
   ``recompute_every=k`` recomputes L // k blocks; the others keep everything.
 
@@ -86,11 +86,9 @@ def layer_terms(cfg: GPTConfig, micro_batch: int, tp: int = 1, sp: bool = False,
     whole, split = c * b * h / r, c * b * h / t
     terms = {"ln1.input": whole, "ln1.stats": 2 * c * b / r, "qkv.input": whole,
              "q": split, "k": split, "v": split, "core.out": split}
-    if cp > 1:
-        terms.update({"core.lse": a * c * b / t, "proj.attn_input": split})
-    elif cfg.attention_core == "math":
+    if cp == 1 and cfg.attention_core == "math":
         terms["core.softmax"] = a * c * c * b / t
-    else:
+    else:  # the fused kernel, or context parallelism's ring attention
         terms["core.lse"] = a * c * b / t
     terms.update({"ln2.input": whole, "ln2.stats": 2 * c * b / r, "fc.input": whole,
                   "gelu.input": c * b * f / t, "proj.input": c * b * f / t})
@@ -98,10 +96,9 @@ def layer_terms(cfg: GPTConfig, micro_batch: int, tp: int = 1, sp: bool = False,
 
 
 def selective_drops(cfg: GPTConfig, cp: int = 1) -> tuple[str, ...]:
-    """The terms selective recomputation no longer keeps: the core's own, beyond q, k, v."""
-    if cp > 1:
-        return ("core.out", "core.lse")
-    return ("core.softmax",) if cfg.attention_core == "math" else ("core.lse",)
+    """The terms selective recomputation no longer keeps: the core's own, beyond q, k, v and
+    the output (which proj keeps)."""
+    return ("core.softmax",) if cp == 1 and cfg.attention_core == "math" else ("core.lse",)
 
 
 def _core_rebuilt(cfg: GPTConfig, micro_batch: int, cp: int = 1) -> tuple[str, ...]:
