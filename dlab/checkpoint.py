@@ -19,7 +19,9 @@ ShardedTensor layouts; ZeRO's flat, padded shards cut parameters at arbitrary of
   is refused too. A tensor the pieces do not wholly cover is refused, naming it.
 - what wrote it: the model (``model``, ``model_config``) and the layout (``layout``: strategy,
   world size, options). A resume into another model is refused before start
-  (``resume_problems``); another layout is fine (that is resharding).
+  (``resume_problems``); another layout is fine (that is resharding), and so is another way of
+  running the same model (``GPTConfig.EXECUTION_FIELDS``: activation recomputation, the
+  attention core).
 - safe loading: ``torch.load(weights_only=True)`` - tensors and plain containers only.
 - exact resume: model, optimizer state and hyper-parameters, the step (the data position: the
   global batch is a function of the step) and every rank's RNG state.
@@ -274,8 +276,13 @@ def resume_problems(config, path: str | Path) -> list[str]:
                  f"model={config.model!r}; use the same model or another checkpoint")
     else:
         from dataclasses import asdict
-        theirs, mine = manifest.get("model_config", {}), asdict(config.model_config())
-        differ = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+        mc = config.model_config()
+        theirs, mine = manifest.get("model_config", {}), asdict(mc)
+        # how the model runs (activation recomputation, the attention core) is no part of its
+        # parameters: a checkpoint written under one setting loads under another
+        runtime = set(getattr(mc, "EXECUTION_FIELDS", ()))
+        differ = [k for k in sorted(set(theirs) | set(mine))
+                  if k not in runtime and theirs.get(k) != mine.get(k)]
         if differ:
             p.append("resume: the checkpoint " + str(where) + " does not fit this model: " + ", ".join(
                 f"checkpoint has {k}={theirs.get(k)!r}, this run {k}={mine.get(k)!r}" for k in differ)

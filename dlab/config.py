@@ -175,10 +175,12 @@ class RunConfig:
         p = []
         for name, value in self.model_options.items():
             kind = type(mc.__dataclass_fields__[name].default)
-            ok = isinstance(value, bool) if kind is bool else (
-                isinstance(value, int) and not isinstance(value, bool))
+            if kind in (bool, str):
+                ok = isinstance(value, kind)
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool)
             if not ok:
-                what = "True or False" if kind is bool else "a whole number"
+                what = {bool: "True or False", str: "a string"}.get(kind, "a whole number")
                 p.append(f"model option {name} must be {what} (got {value!r})")
         if p:
             return p

@@ -72,6 +72,14 @@ class ActivationMeter:
     storage is released from the count. Parameters that autograd saves (a weight kept for the
     input-gradient matmul) are excluded: they are counted under "parameters". ``current`` is
     what is held now, ``peak`` the most held at once since ``reset_peak``.
+
+    With activation recomputation (``dlab.models.recompute``) the meter counts what is kept:
+    a recomputed block's input, or the attention core's q, k, v, saved by the checkpoint under
+    these same hooks. The strategies track the forward only, so their peak is the end of the
+    forward, what recomputation keeps. The recomputed activations exist again, transiently,
+    during their region's backward (one region at a time); they are counted only when the
+    backward also runs inside ``track()``, and then the peak can be reached in backward, above
+    the forward's (``dlab.estimate.activations``: ``backward_peak``).
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):

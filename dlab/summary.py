@@ -7,6 +7,8 @@ it spent waiting in collectives per step. Two byte figures, never mixed: ``comm_
 (the model: the ring model for the backend's collectives, the algorithm's own count for dlab's
 hand-written ones) and ``comm_wire_per_step`` (measured: bytes the rank wrote to the transport in
 a step, ``dlab.comm.wire``; None where not measurable, e.g. NCCL, and the table then says so).
+MFU counts the model's FLOPs, HFU the hardware's: the forwards that activation recomputation
+runs again are in HFU only (``dlab.train``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ MiB = 2 ** 20
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def _percent(x: float | None) -> str:
+    """A utilization, or "-" where the records lack it (written before HFU was recorded)."""
+    return "-" if x is None or x != x else f"{100 * x:.1f}%"
 
 
 def _wire(steady: list[dict]) -> float | None:
@@ -47,6 +54,7 @@ class Summary:
                 "step_time_s": _median([m["step_time"] for m in steady]),
                 "tokens_per_s": _median([m["tokens_per_s"] for m in steady]),
                 "mfu": _median([m["mfu"] for m in steady]),
+                "hfu": _median([m["hfu"] for m in steady if "hfu" in m]),
                 "memory": memory, "memory_total": sum(memory.values()),
                 "comm_sent_per_step": _median([m["comm"]["sent_bytes"] for m in steady]),
                 "comm_wire_per_step": _wire(steady),
@@ -58,7 +66,7 @@ class Summary:
         return {"name": self.name, "state": self.state, "rows": self.rows}
 
     def table(self) -> tuple[list[str], list[list[str]]]:
-        head = ["rank", "steps", "loss", "step ms", "tok/s", "MFU", "params MiB", "grads MiB",
+        head = ["rank", "steps", "loss", "step ms", "tok/s", "MFU", "HFU", "params MiB", "grads MiB",
                 "optim MiB", "activ MiB", "model comm MiB/step", "wire MiB/step (measured)",
                 "comm ms/step"]
         body = []
@@ -69,7 +77,8 @@ class Summary:
             m = r["memory"]
             body.append([str(r["rank"]), str(r["steps"]), f"{r['loss']:.4f}",
                          f"{1e3 * r['step_time_s']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                         f"{100 * r['mfu']:.1f}%", f"{m['parameters'] / MiB:.2f}",
+                         f"{100 * r['mfu']:.1f}%", _percent(r.get("hfu")),
+                         f"{m['parameters'] / MiB:.2f}",
                          f"{m['gradients'] / MiB:.2f}", f"{m['optimizer'] / MiB:.2f}",
                          f"{m['activations'] / MiB:.2f}",
                          f"{r['comm_sent_per_step'] / MiB:.3f}",

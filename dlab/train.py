@@ -12,6 +12,11 @@ measured bytes that no ``Comm`` operation took (a collective called on ``torch.d
 directly, such as the logged loss's mean) appear there as ``outside_comm``; overlapping ops of
 different kinds share one ``overlapped:<ops>`` entry (``dlab.comm.wire``). Everything the rank
 writes itself (this record, timeline, logs) is written after the step's window closes.
+
+Utilization against the device's peak: ``mfu`` counts the FLOPs the model needs
+(``flops_per_token``), ``hfu`` the FLOPs the hardware ran, the forwards that activation
+recomputation repeats included (``hardware_flops_per_token``); without recomputation they are
+equal (Chowdhery et al. 2022, app. B).
 """
 from __future__ import annotations
 
@@ -78,7 +83,8 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
     cfg = ctx.config
     data = make_data(cfg)
     tokens = data.tokens_per_batch()
-    flops_per_token = cfg.model_config().flops_per_token()
+    model = cfg.model_config()
+    flops_per_token, hardware_flops_per_token = model.flops_per_token(), model.hardware_flops_per_token()
     peak, peak_source = device_peak_flops(ctx.device, cfg.threads_per_rank)
     for step in range(state.get("step", 0), cfg.steps):
         state["step"] = ctx.timeline.step = step
@@ -98,6 +104,7 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
             "loss": loss, "step_time": seconds,
             "tokens": tokens, "tokens_per_s": tokens / seconds,
             "mfu": flops_per_token * tokens / seconds / (peak * ctx.world_size),
+            "hfu": hardware_flops_per_token * tokens / seconds / (peak * ctx.world_size),
             "memory": strategy.memory(),
             "comm": comm, "comm_by_op": comm_by_op,
         }

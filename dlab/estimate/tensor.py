@@ -28,11 +28,13 @@ Activation memory per layer (Korthikanti et al. 2022, eq. 1-4), in bytes, for th
     tensor + sequence parallel  s b h (34/t + 5 a s / (h t))
 
 dlab's GPT keeps fp32 activations, has no dropout and uses a fused attention kernel that keeps
-no s x s matrix, so ``activation_bytes`` counts its saved tensors the same way, term by term;
-the tests check it against ``ActivationMeter``.
+no s x s matrix, so ``activation_bytes`` counts its saved tensors the same way, term by term
+(``dlab.estimate.activations``, recomputation included); the tests check it against
+``ActivationMeter``.
 """
 from __future__ import annotations
 
+from dlab.estimate import activations
 from dlab.models.gpt import GPTConfig
 
 FP32 = 4
@@ -110,11 +112,15 @@ def step_bytes(model_options: dict | GPTConfig, global_batch: int, tp: int, dp: 
 
 
 def korthikanti_layer_bytes(model_options: dict | GPTConfig, batch: int, tp: int,
-                            sequence_parallel: bool) -> float:
-    """Activation bytes per layer per rank in Korthikanti et al.'s setting (eq. 2-4)."""
+                            sequence_parallel: bool, recompute: str = "none") -> float:
+    """Activation bytes per layer per rank in Korthikanti et al.'s setting (eq. 2-4, Table 2):
+    selective recomputation drops the 5 a s / (h t) term, full keeps the layer's 2 s b h input
+    bytes (1/t of them under sequence parallelism, where the input is the local shard)."""
     cfg = _config(model_options)
     s, b, h, a, t = cfg.seq_len, batch, cfg.d_model, cfg.n_head, tp
-    attention_scores = 5 * a * s / (h * t)
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    attention_scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
     if sequence_parallel:
         return s * b * h * (34 / t + attention_scores)
     return s * b * h * (10 + 24 / t + attention_scores)
@@ -122,32 +128,11 @@ def korthikanti_layer_bytes(model_options: dict | GPTConfig, batch: int, tp: int
 
 def activation_bytes(model_options: dict | GPTConfig, batch: int, tp: int,
                      sequence_parallel: bool) -> dict[str, float]:
-    """Bytes dlab's GPT saves for backward on one tensor-parallel rank, counted the way
-    Korthikanti et al. count (each saved tensor once), for fp32, no dropout, fused attention.
-
-    Per layer, in elements (x4 bytes), with r = t under sequence parallelism and 1 without:
-
-    - whole-width tensors: the inputs of both layer norms and of the q/k/v and fc linears
-      (their outputs), 4 s b h / r; with sequence parallelism the linears keep the local shard
-      and gather again in backward, so these too are 1/t.
-    - inside the tensor-parallel regions, always 1/t: q, k, v and the attention output (which is
-      also proj's input, the same storage), 4 s b h / t; GeLU's input and output (fc's output,
-      proj's input), 8 s b h / t.
-    - small: each layer norm's mean and 1/std, 2 s b / r each; attention's log-sum-exp
-      (a/t heads x s x b), in place of the paper's s x s softmax (5 a s^2 b in its count).
-
-    Outside the layers: token indices (int64) and their out-of-shard mask (bool) for the
-    vocabulary-parallel embedding, the positions (int64); the final norm's input and output and
-    its statistics; the loss's local softmax (b s V/t) with the target indices and mask.
-    """
-    cfg = _config(model_options)
-    s, b, h, a, t, v = cfg.seq_len, batch, cfg.d_model, cfg.n_head, tp, cfg.vocab_size
-    r = t if sequence_parallel else 1
-    layer = FP32 * (4 * s * b * h / r + 12 * s * b * h / t + 2 * 2 * s * b / r + a * s * b / t)
-    embedding = 8 * b * s + b * s + 8 * s // r
-    head = FP32 * (2 * s * b * h / r + 2 * s * b / r)
-    loss = FP32 * b * s * v / t + 8 * b * s + b * s
-    out = {"per_layer": layer, "layers": cfg.n_layer * layer, "embedding": embedding,
-           "head": head, "loss": loss}
-    out["total"] = out["layers"] + embedding + head + loss
-    return out
+    """Bytes dlab's tensor-parallel GPT saves for backward on one rank, each saved tensor once,
+    under the config's recomputation setting: ``dlab.estimate.activations``, which names every
+    tensor and maps them onto the paper's count. Per layer, in fp32 elements, with r = t under
+    sequence parallelism and 1 without: the inputs of both layer norms and of the q/k/v and fc
+    linears, 4 s b h / r; inside the tensor-parallel regions q, k, v, the attention output, and
+    GeLU's input and output, 12 s b h / t (f = 4h); each norm's statistics 2 s b / r; the fused
+    attention's log-sum-exp a s b / t, where the paper has its s x s softmax."""
+    return activations.activation_bytes(model_options, batch, tp=tp, sp=sequence_parallel)

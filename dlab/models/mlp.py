@@ -36,6 +36,10 @@ class MLPConfig:
         w = self.widths()
         return 6 * sum(a * b for a, b in zip(w, w[1:]))
 
+    def hardware_flops_per_token(self) -> float:
+        """Nothing is recomputed: what the hardware runs is what the model needs."""
+        return self.flops_per_token()
+
     def to_dict(self) -> dict:
         return asdict(self)
 

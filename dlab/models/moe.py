@@ -41,15 +41,15 @@ class MoEConfig(GPTConfig):
     def mlp_params(self) -> int:
         return (self.d_model * self.d_ff + self.d_ff) + (self.d_ff * self.d_model + self.d_model)
 
-    def n_params(self) -> int:
-        experts = self.n_expert * self.mlp_params() + self.d_model * self.n_expert  # + router
-        return super().n_params() + self.n_layer * (experts - self.mlp_params())
+    def block_params(self) -> int:
+        """A block with n_expert MLPs and the router (d x n_expert, no bias)."""
+        experts = self.n_expert * self.mlp_params() + self.d_model * self.n_expert
+        return super().block_params() + experts - self.mlp_params()
 
-    def flops_per_token(self) -> float:
-        """6 N_active + 12 L d T: a token passes through top_k experts, not all of them."""
-        idle = self.n_layer * (self.n_expert - self.top_k) * self.mlp_params()
-        n = self.n_params() - idle - self.seq_len * self.d_model
-        return 6 * n + 12 * self.n_layer * self.d_model * self.seq_len
+    def active_block_params(self) -> int:
+        """A token passes through top_k experts, not all of them: ``flops_per_token`` is then
+        6 N_active + 12 L d T, and a recomputed block's forward 2 N_active_block + 4 T d."""
+        return self.block_params() - (self.n_expert - self.top_k) * self.mlp_params()
 
 
 def route(router_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,9 @@ every rank from the seed) and keeps rank r's share:
   sequence parallelism every rank computes them on the same tensors, so their gradients agree.
   With it each rank sees only its tokens, so their gradients are partial sums: they are
   all-reduced once per step (``sequence_parallel_params``), as Megatron-LM does.
+- activation recomputation: each block and attention keeps the GPT's ``recompute`` flags and
+  its attention core (``dlab.models.recompute``); a recomputed block's collectives run again in
+  its backward, on every rank of the group in the same order.
 
 Parameter names are those of ``GPT`` (``blocks.0.attn.q.weight`` ...), so the full state dict
 is each name's shards concatenated along ``SHARD_DIMS``.
@@ -24,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlab.comm.instrumented import Comm
-from dlab.models.gpt import GPT, MLP, causal_attention
+from dlab.models import recompute as rc
+from dlab.models.gpt import GPT, MLP
 from dlab.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -48,14 +52,15 @@ class ParallelAttention(nn.Module):
         self.q, self.k, self.v = (ColumnParallelLinear.from_linear(m, comm, sp)
                                   for m in (attn.q, attn.k, attn.v))
         self.proj = RowParallelLinear.from_linear(attn.proj, comm, sp)
-        self.core = causal_attention  # swappable, as in ``Attention``: CP puts ring attention here
+        self.core = attn.core  # swappable, as in ``Attention``: CP puts ring attention here
+        self.recompute = attn.recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = column_parallel(x, [self.q, self.k, self.v], self.comm, self.sp)
         b, s, _ = q.shape
         heads = q.shape[-1] // self.head_dim  # this rank's n_head / t heads
         q, k, v = (z.view(b, s, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = self.core(q, k, v)
+        y = rc.run(self.recompute, self.core, q, k, v)  # ``self.core`` as it is now
         return self.proj(y.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
 
@@ -77,8 +82,12 @@ class ParallelBlock(nn.Module):
         # A mixture of experts stays whole here (expert parallelism splits it, not tp): under
         # sequence parallelism each rank routes its own tokens through it.
         self.mlp = ParallelMLP(block.mlp, comm, sp) if isinstance(block.mlp, MLP) else block.mlp
+        self.recompute = block.recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rc.run(self.recompute, self.layers, x)
+
+    def layers(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
