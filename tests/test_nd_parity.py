@@ -75,6 +75,18 @@ def test_three_and_four_dimensions_train_like_single(world, config, options, run
     check(world, config, options, runs_dir, reference)
 
 
+@pytest.mark.parametrize("recompute", [
+    {"recompute": "full", "recompute_every": 2},
+    pytest.param({"recompute": "selective"}, marks=pytest.mark.slow)], ids=str)
+def test_recomputation_under_zero3_and_tp_changes_nothing(recompute, runs_dir, reference):
+    """Recomputed blocks gather their ZeRO-3 shards and run their tensor-parallel collectives
+    again in backward; the training is still ``single``'s without recomputation."""
+    config = {**GPT, "model_options": {**GPT["model_options"], **recompute}}
+    run = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, save_final=True, **config,
+                      options={"dp": 2, "zero": 3, "tp": 2, **SP})
+    assert_same_training(run, reference(**GPT))
+
+
 @pytest.mark.parametrize("world,config,options,match", [
     (8, GPT, {"dp": 2, "pp": 2, "tp": 3}, "takes 12 ranks but world_size=8"),
     (4, GPT, {"tp": 4}, "n_head=2 is not divisible by tp=4"),
