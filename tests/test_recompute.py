@@ -2,7 +2,8 @@
 
 - it changes nothing but memory and FLOPs: every mode gives the same loss and gradients in one
   process (GPT and MoE GPT), and every strategy that runs the GPT trains like ``single`` without
-  recomputation (tp with sequence parallelism, pipeline-1f1b, ep by default; zero3, ddp and more under slow);
+  recomputation (tp with sequence parallelism, pipeline-1f1b and ep by default; zero3, ddp
+  and more under slow);
 - ``ActivationMeter`` counts what it keeps, equal to the byte to the count derived from the code
   (``dlab.estimate.activations``); full recompute keeps exactly the blocks' inputs;
 - ``hardware_flops_per_token`` adds exactly the recomputed forwards, as ``FlopCounterMode``
