@@ -2,8 +2,9 @@
 #   make lab    installs everything into .venv and opens JupyterLab on notebooks/ (as root and on
 #               a headless machine too: it prints the URL to open, token included)
 #   make test   installs everything into .venv and runs the test suite (pytest, then nbval on the
-#               notebooks); tests marked slow (whole grids, fault drills over ~20 s) are left out:
-#               make test-slow runs them, make test-all runs both
+#               notebooks); tests marked slow (whole grids, fault drills over ~20 s, cases whose
+#               code a faster default case runs) are left out: make test-slow runs them,
+#               make test-all runs both; --durations=15 lists the slowest tests in the log
 # TORCH picks the torch requirement installed first. The CI machine's pip serves the CPU build of
 # torch==2.13.0; where plain PyPI would pull the multi-GB CUDA build instead, name PyTorch's CPU
 # index: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -30,7 +31,7 @@ lab: install
 	$(BIN)/python -m dlab lab --port $(LAB_PORT)
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -q -m "not slow" --durations=15
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 		OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax -q notebooks; \
 	fi

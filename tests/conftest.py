@@ -61,7 +61,12 @@ def pytest_collection_modifyitems(config, items):
     """The parity grids (tests that compare with ``single`` through the ``reference`` or
     ``pipeline_runs`` fixtures) run their cases at 2 and 4 ranks. ``make test`` keeps each
     test's 2-rank cases and marks its 4-rank cases ``slow`` (``make test-slow`` runs them), so
-    the default run fits its time on 2 cores while every world size stays tested."""
+    the default run fits its time on 2 cores while every world size stays tested.
+
+    Beyond this rule a case is marked ``slow`` by hand, with a comment naming what stands for it,
+    where a faster case in the default run takes the same code path (the same code at 2 ranks,
+    or one of several schedules, routings or layouts sharing one executor); every strategy,
+    collective and notebook keeps at least one case in the default run."""
     grids = defaultdict(list)
     for item in items:
         spec = getattr(item, "callspec", None)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dlab import check
@@ -31,6 +32,7 @@ def test_compare_sees_a_changed_parameter_a_missing_one_and_a_missing_step():
     assert check.compare(state, state, [1.0], [1.0, 0.5])["loss_diff"] == float("inf")
 
 
+@pytest.mark.slow  # seven strategies launched in turn; each has its own parity test by default
 def test_check_quick_passes_on_this_machine(tmp_path):
     out = tmp_path / "check.json"
     proc = subprocess.run([sys.executable, "-m", "dlab", "check", "--quick", "--json", str(out),
