@@ -4,7 +4,8 @@ Each layout runs 3 SGD steps of a 4-block GPT (or MoE GPT) and must give the ref
 losses and final parameters to 1e-5 (fp32: the ranks sum the same numbers in another order),
 with every rank's gathered parameters equal bit for bit. The default run keeps two 4-rank
 pairings of dimensions and recomputation under a third; the other pairings and the 8- and
-16-rank layouts (three and four dimensions at once) are ``slow``. Bad layouts are refused before any process starts."""
+16-rank layouts (three and four dimensions at once) are ``slow``. Bad layouts are refused
+before any process starts."""
 from __future__ import annotations
 
 import pytest
