@@ -15,11 +15,11 @@ from dlab.models.gpt import GPTConfig
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
 
-# gpipe shares 1f1b's executor and stage modules (its own schedule is checked in 2D by
-# test_pipeline_parity.py): slow here, where 1f1b stands for it
+# gpipe and interleaved share 1f1b's executor and stage modules (their own schedules are checked
+# in 2D by test_pipeline_parity.py): slow here, where 1f1b stands for them
 CASES = [("1f1b", 4, {"tp": 2}),                    # pp 2 x tp 2
          pytest.param("gpipe", 4, {"tp": 2}, marks=pytest.mark.slow),
-         ("interleaved", 4, {"tp": 2}),             # pp 2 x 2 virtual stages x tp 2
+         pytest.param("interleaved", 4, {"tp": 2}, marks=pytest.mark.slow),  # 2 virtual stages
          pytest.param("1f1b", 8, {"tp": 2, "dp": 2}, marks=pytest.mark.slow)]  # dp 2 x pp 2 x tp 2: 3D
 
 

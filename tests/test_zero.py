@@ -67,8 +67,10 @@ def test_stage_matches_single_and_its_formulas(strategy, n, options, runs_dir, r
         assert 0 < mem["reduce_peak"] <= 2 * max(block, root) < 4 * (units.root + 3 * units.blocks[0])
 
 
-# 4 ranks in fp32 is slow-only: the mixed-precision case below runs the peer at 4 by default
-@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
+# slow: the mixed-precision case below runs the peer (FSDP2's wrapping, sharding and gathers) at
+# 4 ranks in the default run
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
 def test_torch_fsdp2_peer_matches_single(n, runs_dir, reference):
     run = dlab.launch("torch-fsdp2", n, runs_dir=runs_dir, wait=True, save_final=True, **UNEVEN)
     assert_same_training(run, reference(**UNEVEN))
