@@ -24,18 +24,17 @@ from __future__ import annotations
 import functools
 import io
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dlab.metrics import CATEGORIES
 from dlab.plots_collectives import COLLECTIVES, collective_diagram  # noqa: F401 - part of dlab.plots
+from dlab.plots_theory import PipelineLayout, bubble_formula, model_state, pipeline_layout
 from dlab.timeline import busy_fraction
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from dlab.parallel.pipeline.schedules import Schedule
 
 MiB = 2 ** 20
 COMPUTE = ("forward", "backward", "weight_grad")
@@ -112,76 +111,11 @@ def is_pipeline(events: list[dict]) -> bool:
     return any("stage" in e for e in events)
 
 
-# --- theory for a run's config ----------------------------------------------------------------
-FULL_REPLICA = ("single", "dp-naive", "ddp", "torch-ddp")
-ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3}
-MODEL_STATE = ("parameters", "gradients", "optimizer")
+# --- theory for a run's config (``dlab.plots_theory``) -----------------------------------------
 BUBBLE_COLORS = {"measured": "#8c8c8c", "simulated (model), measured op times": "#4c72b0",
                  "simulated (model), mean op times": "#a1c1e6"}
 
 
-@dataclass(frozen=True)
-class PipelineLayout:
-    """What a pipeline run's config makes of its ranks: the schedule's action lists on p
-    pipeline ranks, d replicas, t tensor-parallel ranks per stage; ``name`` is the schedule's
-    name in ``dlab.estimate.pipeline`` (that of the ``pipeline-*`` strategy)."""
-    name: str
-    schedule: Schedule
-    d: int
-    t: int
-
-    @property
-    def p(self) -> int:
-        return self.schedule.p
-
-    @property
-    def m(self) -> int:
-        return self.schedule.m
-
-    @property
-    def v(self) -> int:
-        return self.schedule.v
-
-    def pipelines(self) -> list[list[int]]:
-        """The global ranks of each pipeline, by pipeline rank (the mesh is row-major over
-        dp, pp, tp)."""
-        return [[(i * self.p + s) * self.t + k for s in range(self.p)]
-                for i in range(self.d) for k in range(self.t)]
-
-
-def _run_config(config: dict | None):
-    """(``RunConfig``, strategy class) of a run's config, or None where it names no known
-    strategy (a hand-written or older config): the charts then show the measurements alone."""
-    from dlab import parallel
-    from dlab.config import ConfigError, RunConfig
-    try:
-        cfg = RunConfig.from_dict(config or {})
-        return cfg, parallel.get(cfg.strategy)
-    except (ConfigError, ValueError, TypeError):
-        return None
-
-
-def pipeline_layout(config: dict | None) -> PipelineLayout | None:
-    """The layout of a ``pipeline-*`` run (p, m, v as ``Pipeline.layout`` reads the options),
-    None for other strategies or a layout the schedule refuses."""
-    from dlab.parallel.pipeline import schedules
-    from dlab.parallel.pipeline.strategy import Pipeline
-    found = _run_config(config)
-    if found is None or not issubclass(found[1], Pipeline):
-        return None
-    cfg, cls = found
-    p, d, t, m, v = cls.layout(cfg)
-    try:
-        return PipelineLayout(cls.schedule, schedules.build(cls.schedule, p, m, v), d, t)
-    except ValueError:
-        return None
-
-
-def bubble_formula(layout: PipelineLayout) -> float | None:
-    """The schedule's closed-form bubble (``dlab.estimate.pipeline.bubble``) at equal forward,
-    input-gradient and weight-gradient times; None where no closed form applies."""
-    from dlab.estimate.pipeline import bubble
-    return bubble(layout.name, layout.p, layout.m, layout.v)
 
 
 def simulated_bubbles(layout: PipelineLayout, events: list[dict]) -> dict[str, dict[int, float]]:
@@ -215,31 +149,6 @@ def _placed(simulated: list[dict], ranks: list[int], step: int) -> list[dict]:
     return [dict(e, rank=ranks[e["rank"]], step=step) for e in simulated]
 
 
-def model_state(config: dict | None, rank: int) -> dict[str, int] | None:
-    """Parameters, gradients and optimizer state that ``dlab.estimate.memory`` predicts rank
-    ``rank`` holds: a full fp32 replica for single-process and plain data-parallel runs, dlab's
-    exact ZeRO accounting (padding and step counters included) for zero1-3; None for the
-    strategies it has no per-rank formula for."""
-    from dlab import models
-    from dlab.estimate import memory
-    found = _run_config(config)
-    if found is None:
-        return None
-    cfg = found[0]
-    if cfg.strategy in FULL_REPLICA:
-        import torch
-        with torch.device("meta"):  # the parameters' shapes, without allocating them
-            model = models.build(cfg.model, cfg.model_options, cfg.seed)
-        return memory.ddp_memory([p.numel() for p in model.parameters()], cfg.optimizer)
-    if cfg.strategy in ZERO_STAGE and cfg.model in ("gpt", "mlp"):
-        state = memory.zero_memory(memory.model_units(cfg.model, cfg.model_options), cfg.world_size,
-                                   ZERO_STAGE[cfg.strategy], cfg.options.get("mixed_precision", False),
-                                   cfg.optimizer, rank)
-        return {k: state[k] for k in MODEL_STATE}
-    return None
-
-
-# --- the dashboard's panels -------------------------------------------------------------------
 def draw_run(fig: Figure, metrics: dict[int, list[dict]], events: list[dict], title: str = "",
              config: dict | None = None) -> None:
     """Draw a run's panels into ``fig`` (cleared first): per rank, loss, throughput, memory
