@@ -79,7 +79,8 @@ def bubble_formula(layout: PipelineLayout) -> float | None:
 def model_state(config: dict | None, rank: int) -> dict[str, int] | None:
     """Parameters, gradients and optimizer state that ``dlab.estimate.memory`` predicts rank
     ``rank`` holds: a full fp32 replica for single-process and plain data-parallel runs, dlab's
-    exact ZeRO accounting (padding and step counters included) for zero1-3; None for the
+    exact ZeRO accounting (padding and step counters included) for zero1-3, ``estimate.nd`` for
+``nd`` (each rank by its pipeline rank); None for the
     strategies it has no per-rank formula for."""
     from dlab import models
     from dlab.estimate import memory
@@ -96,6 +97,13 @@ def model_state(config: dict | None, rank: int) -> dict[str, int] | None:
         state = memory.zero_memory(memory.model_units(cfg.model, cfg.model_options), cfg.world_size,
                                    ZERO_STAGE[cfg.strategy], cfg.options.get("mixed_precision", False),
                                    cfg.optimizer, rank)
+        return {k: state[k] for k in MODEL_STATE}
+    if cfg.strategy == "nd" and cfg.model in ("gpt", "moe"):
+        from dlab.estimate import nd
+        from dlab.parallel.nd.layout import Layout
+        lay = Layout.from_config(cfg)
+        state = nd.model_state(cfg.model_config(), lay, rank // (cfg.world_size // lay.pp),
+                               cfg.optimizer)
         return {k: state[k] for k in MODEL_STATE}
     return None
 

@@ -10,7 +10,8 @@ bytes this rank measurably wrote to the transport during the step (``dlab.comm.w
 where not measurable: NCCL, not Linux). ``comm_by_op`` splits them per operation; the step's
 measured bytes that no ``Comm`` operation took (a collective called on ``torch.distributed``
 directly, such as the logged loss's mean) appear there as ``outside_comm``; overlapping ops of
-different kinds share one ``overlapped:<ops>`` entry (``dlab.comm.wire``). Everything the rank
+different kinds share one ``overlapped:<ops>`` entry (``dlab.comm.wire``). A strategy of several dimensions names its
+``Comm``s (``Strategy.comms_by_dim``): ``comm_by_dim`` then splits the same figures by dimension. Everything the rank
 writes itself (this record, timeline, logs) is written after the step's window closes.
 
 Utilization against the device's peak: ``mfu`` counts the FLOPs the model needs
@@ -41,6 +42,15 @@ def _comm_totals(strategy: Strategy) -> tuple[OpStats, dict[str, OpStats]]:
             by_op.setdefault(op, OpStats()).add(s)
             total.add(s)
     return total, by_op
+
+
+def _dim_totals(strategy: Strategy) -> dict[str, OpStats]:
+    out = {}
+    for dim, comm in strategy.comms_by_dim().items():
+        out[dim] = OpStats()
+        for s in comm.stats.values():
+            out[dim].add(s)
+    return out
 
 
 OUTSIDE_COMM = "outside_comm"
@@ -91,7 +101,7 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
         faults.maybe_inject(cfg.fault, ctx.rank, step, attempt)
         batch = data.global_batch(step)
         wire_start = meter.cut()  # an op still in flight from the last step is charged there
-        before = _comm_totals(strategy)
+        before, before_dims = _comm_totals(strategy), _dim_totals(strategy)
         start, wall = time.perf_counter(), ctx.timeline.now()
         loss = strategy.step(batch)
         seconds = time.perf_counter() - start
@@ -108,6 +118,9 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
             "memory": strategy.memory(),
             "comm": comm, "comm_by_op": comm_by_op,
         }
+        if before_dims:
+            record["comm_by_dim"] = {dim: _delta(s, before_dims[dim])
+                                     for dim, s in _dim_totals(strategy).items()}
         if checkpointer and (step + 1) % cfg.checkpoint_every == 0:
             with ctx.timeline.span("checkpoint"):
                 record["checkpoint_s"] = checkpointer.save(strategy, step + 1)

@@ -45,12 +45,15 @@ def _id(case) -> str:
     return f"{config['model']}-" + "-".join(f"{k}{v}" for k, v in options.items())
 
 
-def check(world, config, options, runs_dir, reference):
-    """Parity with ``single``, then every rank's model state and (GPT) bytes sent per step
-    against ``dlab.estimate.nd``."""
+def check(world, config, options, runs_dir, reference, reference_config=None):
+    """Parity with ``single`` (trained as ``reference_config``, default ``config``), then every
+    rank's model state, (GPT) bytes sent per step in total and by dimension, and activation peak
+    against ``dlab.estimate.nd``: state and bytes to the byte; activations to 2 % (the meter
+    counts an index tensor by its whole storage, and a micro-batch's slice keeps the rank's
+    batch; a missing layer would be 25 %)."""
     run = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, save_final=True,
                       options=options, **config)
-    assert_same_training(run, reference(**config))
+    assert_same_training(run, reference(**(reference_config or config)))
     cfg = RunConfig.from_dict(run.config)
     lay = Layout.from_config(cfg)
     mc = cfg.model_config()
@@ -58,11 +61,19 @@ def check(world, config, options, runs_dir, reference):
         pp_rank = r // (world // lay.pp)  # the mesh is row-major over (pp, dp, cp, tp)
         want = nd.model_state(mc, lay, pp_rank, cfg.optimizer)
         sent = nd.step_bytes(mc, lay, cfg.batch_size, pp_rank, options.get("attention", "ring"))
+        gpt = config["model"] == "gpt"
+        modelled = gpt and lay.schedule not in ("zb-h1", "zbv") and (
+            lay.cp == 1 or options.get("attention", "ring") == "ring")
+        held = nd.activations(mc, lay, cfg.batch_size, pp_rank) if modelled else None
         for m in run.metrics(r):
             got = {k: m["memory"][k] for k in want}
             assert got == want, (r, got, want)
-            if config["model"] == "gpt":
+            if gpt:
                 assert m["comm"]["sent_bytes"] == pytest.approx(sent["total"], rel=1e-12), (r, sent)
+                for dim, d in m["comm_by_dim"].items():  # and each dimension's share
+                    assert d["sent_bytes"] == pytest.approx(sent[dim], rel=1e-12), (r, dim, sent)
+            if held:
+                assert m["memory"]["activations"] == pytest.approx(held["peak"], rel=0.02), (r, held)
     return run
 
 
@@ -77,21 +88,26 @@ def test_three_and_four_dimensions_train_like_single(world, config, options, run
     check(world, config, options, runs_dir, reference)
 
 
-@pytest.mark.parametrize("recompute", [
-    {"recompute": "full", "recompute_every": 2},
-    pytest.param({"recompute": "selective"}, marks=pytest.mark.slow)], ids=str)
-def test_recomputation_under_zero3_and_tp_changes_nothing(recompute, runs_dir, reference):
-    """Recomputed blocks gather their ZeRO-3 shards and run their tensor-parallel collectives
-    again in backward; the training is still ``single``'s without recomputation."""
+@pytest.mark.parametrize("world,recompute,options", [
+    (4, {"recompute": "full", "recompute_every": 2}, {"dp": 2, "zero": 3, "tp": 2, **SP}),
+    pytest.param(4, {"recompute": "selective"}, {"dp": 2, "zero": 3, "tp": 2, **SP},
+                 marks=pytest.mark.slow),
+    pytest.param(4, {"recompute": "selective"}, {"pp": 2, "cp": 2}, marks=pytest.mark.slow),
+    pytest.param(8, {"recompute": "full"}, {"pp": 2, "tp": 2, "cp": 2}, marks=pytest.mark.slow),
+], ids=str)
+def test_recomputation_changes_nothing_but_memory_and_bytes(world, recompute, options, runs_dir,
+                                                            reference):
+    """Recomputed blocks gather their ZeRO-3 shards and run their tensor- and context-parallel
+    collectives again in backward; the training is still ``single``'s without recomputation,
+    and the activations and the repeated collectives' bytes are the estimate's."""
     config = {**GPT, "model_options": {**GPT["model_options"], **recompute}}
-    run = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, save_final=True, **config,
-                      options={"dp": 2, "zero": 3, "tp": 2, **SP})
-    assert_same_training(run, reference(**GPT))
+    check(world, config, options, runs_dir, reference, reference_config=GPT)
 
 
 @pytest.mark.parametrize("world,config,options,match", [
     (8, GPT, {"dp": 2, "pp": 2, "tp": 3}, "takes 12 ranks but world_size=8"),
     (4, GPT, {"tp": 4}, "n_head=2 is not divisible by tp=4"),
+    (4, GPT, {"tp": 8}, "pp x cp x tp = 1 x 1 x 8 = 8 ranks does not divide world_size=4"),
     (4, {**GPT, "model_options": {**GPT["model_options"], "seq_len": 30}}, {"cp": 2},
      "seq_len=30 does not cut into 4 equal chunks"),
     (4, {**MOE, "model_options": {**MOE["model_options"], "n_expert": 3}}, {"ep": 2},

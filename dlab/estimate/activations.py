@@ -139,11 +139,11 @@ def activation_bytes(model_options: dict | GPTConfig, micro_batch: int, recomput
            "recomputed": len(whole), "layers": sum(kept), "backward_transient": transient}
     out.update(_outside(cfg, micro_batch, tp, sp, cp))
     out["total"] = out["layers"] + out["embedding"] + out["head"] + out["loss"]
-    out["backward_peak"] = _backward_peak(recompute, whole, kept, terms, transient, out)
+    out["backward_peak"] = backward_peak(recompute, whole, kept, terms, transient, out)
     return out
 
 
-def _backward_peak(recompute, whole, kept, terms, transient, out) -> float:
+def backward_peak(recompute, whole, kept, terms, transient, out) -> float:
     """The most saved bytes held at once during backward, where a recomputed region's
     activations are made again: the highest one is rebuilt first, when the head, the loss and
     the layers above it have been freed and everything below is still held. Without

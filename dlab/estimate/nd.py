@@ -32,13 +32,31 @@ tied matrix's gradient between the first and last stage; the data reduction: an 
 (ZeRO 0) or a reduce-scatter of every unit plus one all-gather (stages 1-2) or 2m all-gathers
 of every block and one of the root (stage 3: before each micro-batch's forward and backward).
 Every term is linear in the batch, so the micro-batches change only stage 3's gathers.
+Recomputation runs a region's forward collectives again in its backward: a block recomputed
+whole adds its four tensor-parallel forward collectives, 4 (t-1)/t A (all-reduces, or the
+all-gathers and reduce-scatters of sequence parallelism), and every recomputed attention core
+(full or selective) its forward K/V exchange, (cp-1) kv. ZeRO-3 gathers nothing again: the
+block's parameters are already gathered for its backward when the recomputation runs.
+
+Activations (``activations``): one micro-batch of b = B / (dp m) sequences leaves on a rank
+F = its layers' saved bytes (``estimate.activations`` at tp, sp, cp; a block that ``recompute``
+recomputes whole keeps only its input) plus the embedding's on the first stage and the head's
+and loss's on the last. The schedule holds ``estimate.pipeline.in_flight`` micro-batches at
+once, and the backward that runs at that moment may rebuild a recomputed region on top, so the
+peak is (k - 1) F + max(F, that micro-batch's backward peak) with k in flight; with more than
+one stage on a rank (interleaved) each stage has its own F, and the peak is found by walking
+the rank's action list. The zero-bubble schedules also keep weight-gradient inputs until W,
+and all-gather attention keeps the gathered K and V: neither is modelled.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from dlab.estimate import activations as act
 from dlab.estimate import tensor
 from dlab.estimate.memory import padded
+from dlab.estimate.pipeline import in_flight
+from dlab.models import recompute as rc
 from dlab.parallel.nd.layout import Layout
 from dlab.parallel.pipeline import schedules
 from dlab.parallel.pipeline.split import partition
@@ -120,16 +138,20 @@ def step_bytes(cfg, lay: Layout, global_batch: int, pp_rank: int,
     local = dataclasses.replace(cfg, seq_len=tokens)  # the rank's share of each sequence
     a = b * tokens * cfg.d_model * FP32
     blocks = sum(len(ranges[s]) for s in mine)
+    whole = set(rc.recomputed_blocks(cfg.n_layer, cfg.recompute, cfg.recompute_every))
+    rebuilt = sum(1 for s in mine for i in ranges[s] if i in whole)
+    cores = blocks if cfg.recompute == "selective" else rebuilt
     out = dict.fromkeys(("tensor", "context", "pipeline", "tied", "data"), 0.0)
     if t > 1:
         tp = tensor.step_bytes(local, b, t, 1, sp)
-        out["tensor"] = blocks * tensor.layer_bytes(local, b, t, sp) + (
+        out["tensor"] = blocks * tensor.layer_bytes(local, b, t, sp) + rebuilt * 4 * (t - 1) / t * a + (
             tp["embedding"] if first else 0.0) + (tp["head"] + tp["loss"] if last else 0.0)
         if sp:
             out["tensor"] += 2 * (t - 1) / t * FP32 * _replicated(cfg, blocks, first, last)
     if c > 1:
         kv = 2 * b * tokens * (cfg.d_model // t) * FP32
-        out["context"] = blocks * {"allgather": 2 * (c - 1), "ring": 3 * c - 2}[attention] * kv
+        out["context"] = (blocks * {"allgather": 2 * (c - 1), "ring": 3 * c - 2}[attention]
+                          + cores * (c - 1)) * kv
     boundary = a // (t if sp else 1)
     for s in mine:
         if s + 1 < n_stages and s + 1 not in mine:
@@ -158,3 +180,42 @@ def _replicated(cfg, blocks: int, first: bool, last: bool) -> int:
     last): under sequence parallelism their gradients are summed over tp."""
     d = cfg.d_model
     return blocks * 6 * d + (cfg.seq_len * d if first else 0) + (2 * d if last else 0)
+
+
+def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, attention: str = "ring"
+                ) -> dict[str, float]:
+    """Bytes of activations a rank at ``pp_rank`` holds: ``micro_batch`` (F above, summed
+    over the rank's stages), ``in_flight`` (k) and ``peak`` (what ``ActivationMeter`` measures
+    over a step), walking the schedule's action list with each stage's own F."""
+    if lay.schedule in ("zb-h1", "zbv"):
+        raise ValueError(f"the {lay.schedule} schedule's deferred weight gradients are not modelled")
+    if lay.cp > 1 and attention != "ring":
+        raise ValueError("only ring attention's saved tensors are modelled under cp "
+                         "(all-gather attention keeps every rank's K and V)")
+    sched = schedules.build(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
+    ranges, mine, n_stages = _stages(cfg, lay, pp_rank)
+    b = global_batch // (lay.dp * lay.microbatches)
+    one = act.activation_bytes(cfg, b, tp=lay.tp, sp=lay.sequence_parallel, cp=lay.cp)
+    whole = set(rc.recomputed_blocks(cfg.n_layer, cfg.recompute, cfg.recompute_every))
+    held, back = {}, {}  # per stage: a micro-batch's bytes after its forward; its backward's peak
+    for s in mine:
+        kept = [one["recomputed_layer"] if i in whole else one["per_layer"] for i in ranges[s]]
+        out = {"embedding": one["embedding"] if s == 0 else 0.0,
+               "head": one["head"] if s == n_stages - 1 else 0.0,
+               "loss": one["loss"] if s == n_stages - 1 else 0.0}
+        held[s] = sum(kept) + sum(out.values())
+        back[s] = act.backward_peak(cfg.recompute, [j for j, i in enumerate(ranges[s]) if i in whole],
+                                    kept, one["terms"], one["backward_transient"],
+                                    {**out, "total": held[s]})
+    now = peak = 0.0
+    for a in sched.actions[pp_rank]:
+        if a.kind == "forward":
+            now += held[a.stage]
+            peak = max(peak, now)
+        elif a.kind == "backward":
+            peak = max(peak, now - held[a.stage] + back[a.stage])
+            now -= held[a.stage]
+    return {"micro_batch": sum(held.values()),
+            "in_flight": in_flight(lay.schedule, lay.pp, lay.microbatches, pp_rank,
+                                   lay.virtual_stages),
+            "peak": peak}

@@ -113,6 +113,12 @@ class Strategy:
         """The counting wrappers whose traffic this strategy generates."""
         return [self.ctx.comm]
 
+    def comms_by_dim(self) -> dict[str, Comm]:
+        """The same wrappers named by the parallel dimension whose traffic each carries (a
+        strategy of several dimensions says which is which; the metrics then split the step's
+        bytes by dimension as ``comm_by_dim``). Empty: no split."""
+        return {}
+
     # --- helpers shared by strategies -----------------------------------------------------
     def build_model(self) -> torch.nn.Module:
         cfg = self.ctx.config

@@ -89,6 +89,11 @@ class Layout:
         """Everything that would stop this layout, each saying what to change."""
         out = []
         product = self.dp * self.pp * self.cp * self.tp
+        if self.dp == 0:  # dp left out, and the others do not divide the world
+            rest = self.pp * self.cp * self.tp
+            return [f"pp x cp x tp = {self.pp} x {self.cp} x {self.tp} = {rest} ranks does not "
+                    f"divide world_size={config.world_size}; pick degrees whose product divides "
+                    f"it (dp takes the rest) or run on a multiple of {rest} ranks"]
         if product != config.world_size:
             shown = " x ".join(f"{d}={n}" for d, n in self.dims.items())
             return [f"the layout {shown} takes {product} ranks but world_size={config.world_size}; "

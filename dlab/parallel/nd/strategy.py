@@ -282,6 +282,14 @@ class ND(Strategy):
         extra = [self.data_comm, self.tied_comm, self.expert_comm, self.expert_data_comm]
         return list(self.mesh.comms.values()) + [c for c in extra if c is not None]
 
+    def comms_by_dim(self):
+        """Named as ``estimate.nd.step_bytes`` names its terms (the mesh's own dp group carries
+        nothing: the data reduction runs over the dp x cp ranks)."""
+        named = {"tensor": self.mesh.comm("tp"), "context": self.mesh.comm("cp"),
+                 "pipeline": self.mesh.comm("pp"), "tied": self.tied_comm, "data": self.data_comm,
+                 "expert": self.expert_comm, "expert_data": self.expert_data_comm}
+        return {k: c for k, c in named.items() if c is not None}
+
 
 def _global_expert(name: str, first: int) -> str:
     """``blocks.1.mlp.experts.0.fc.weight`` on a rank whose first expert is 2 ->

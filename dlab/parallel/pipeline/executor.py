@@ -120,7 +120,8 @@ class Executor:
                     x, out = saved.pop((s, i))
                     grad = None if s == self.last else inbox.pop((s, i, "grad"))
                     defer = self.store.deferring((s, i)) if sched.split_backward else contextlib.nullcontext()
-                    with defer:
+                    # tracked too: a recomputed block saves its activations again here
+                    with defer, self.meter.track():
                         torch.autograd.backward(out, grad)
                     if s > 0:
                         if self._local(s - 1):

@@ -1,0 +1,131 @@
+"""``python -m dlab bench nd``: one GPT laid out every way 4 and 8 ranks allow, each figure
+beside ``dlab.estimate.nd``, and dp x ZeRO-3 x tp beside PyTorch's own FSDP2 + TP.
+
+Layouts: every (pp, dp, cp, tp) whose product is the world size and that the model divides
+(``Layout.problems`` refuses the rest: tp must divide the 4 heads, pp at most the 4 blocks, the
+sequence must cut into 2 cp chunks per rank), each with ZeRO-1 over its data ranks when it has
+more than one, sequence parallelism whenever tp > 1 (as Megatron-Core runs TP today) and the
+1F1B schedule with 4 micro-batches when pp > 1. Per layout, the fullest rank's measured figures
+beside the model's for that rank:
+
+- ``state_MB``: parameters + gradients + optimizer state (``estimate.nd.model_state``);
+- ``sent_MB``: the busiest rank's bytes sent per step, ring model of the ops it ran
+  (``estimate.nd.step_bytes``); ``wire_MB``: what Gloo wrote for them, measured
+  (``dlab.comm.wire``: Gloo's reduce-scatter writes a whole all-reduce);
+- ``act_MB``: the activation peak (``estimate.nd.activations``);
+- ``step_s``: the slowest rank's median step time.
+
+The peer rows: dp 2 x ZeRO-3 x tp 2 with sequence parallelism, without recomputation and with
+``recompute`` full and selective, against ``torch-tp`` with ``fsdp=True`` (``fully_shard`` over
+the dp dimension of a DTensor TP mesh) running the same model options; both sides recompute with
+``torch.utils.checkpoint`` through the GPT's own ``recompute`` option, so those rows compare the
+parallelism around it. Their ``dlab`` / ``peer`` / ``ratio`` are step times from the same run.
+
+On 2 CPU cores 8 ranks share two cores: step times there measure the layouts' overheads and
+bytes, not speed-ups. ``--quick``: the peer row and three 4-rank layouts.
+"""
+from __future__ import annotations
+
+import itertools
+import tempfile
+
+from dlab.bench import compared
+from dlab.bench.hybrid import step_seconds
+from dlab.config import RunConfig
+from dlab.estimate import nd
+from dlab.parallel.nd.layout import MESH_ORDER, Layout
+
+MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
+BATCH = 8
+PEER_LAYOUT = {"dp": 2, "zero": 3, "tp": 2, "sequence_parallel": True}
+RECOMPUTE = [{}, {"recompute": "full"}, {"recompute": "selective"}]
+QUICK = [{"dp": 4, "zero": 1}, {"pp": 2, "tp": 2, "sequence_parallel": True},
+         {"dp": 2, "zero": 1, "cp": 2}]
+MB = 1e6
+
+
+def layouts(world: int) -> list[dict]:
+    """Every (pp, dp, cp, tp) of ``world`` ranks as ``nd`` options, in mesh order."""
+    out = []
+    for degrees in itertools.product(*[[d for d in range(1, world + 1) if world % d == 0]] * 4):
+        if _product(degrees) != world:
+            continue
+        opts = {k: d for k, d in zip(MESH_ORDER, degrees) if d > 1}
+        if opts.get("dp", 1) * opts.get("cp", 1) > 1:
+            opts["zero"] = 1
+        if opts.get("tp", 1) > 1:
+            opts["sequence_parallel"] = True
+        out.append(opts)
+    return out
+
+
+def _product(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def runnable(world: int, options: dict, model_options: dict = MODEL) -> bool:
+    """Whether ``nd`` takes this layout for the bench's model (``Layout.problems``)."""
+    cfg = RunConfig.from_dict({"strategy": "nd", "world_size": world, "batch_size": BATCH,
+                               "options": options, "model_options": model_options})
+    return not cfg.problems()
+
+
+def label(options: dict) -> str:
+    dims = " x ".join(f"{k}{options[k]}" for k in MESH_ORDER if options.get(k, 1) > 1)
+    extra = [f"zero{options['zero']}"] if options.get("zero") else []
+    extra += ["sp"] if options.get("sequence_parallel") else []
+    return " ".join([dims or "single"] + extra)
+
+
+def measure(run) -> dict:
+    """The fullest rank's figures beside the estimate for that rank (the last step's)."""
+    cfg = RunConfig.from_dict(run.config)
+    lay, mc = Layout.from_config(cfg), cfg.model_config()
+    per_rank = []
+    for r in range(run.world_size):
+        m = run.metrics(r)[-1]
+        pp_rank = r // (run.world_size // lay.pp)
+        state = nd.model_state(mc, lay, pp_rank, cfg.optimizer)
+        per_rank.append({
+            "state_MB": sum(m["memory"][k] for k in state) / MB,
+            "state_model_MB": sum(state.values()) / MB,
+            "sent_MB": m["comm"]["sent_bytes"] / MB,
+            "sent_model_MB": nd.step_bytes(mc, lay, cfg.batch_size, pp_rank)["total"] / MB,
+            "wire_MB": (m["comm"]["wire_bytes"] or 0) / MB,
+            "act_MB": m["memory"]["activations"] / MB,
+            "act_model_MB": nd.activations(mc, lay, cfg.batch_size, pp_rank)["peak"] / MB})
+    out = {}
+    for key in ("state", "sent", "act"):
+        top = max(per_rank, key=lambda row: row[f"{key}_MB"])
+        out[f"{key}_MB"], out[f"{key}_model_MB"] = top[f"{key}_MB"], top[f"{key}_model_MB"]
+    out["wire_MB"] = max(row["wire_MB"] for row in per_rank)
+    return out
+
+
+def run(quick: bool = False) -> list[dict]:
+    import dlab
+
+    common = {"batch_size": BATCH, "steps": 3 if quick else 6}
+    rows = []
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for recompute in RECOMPUTE[:1] if quick else RECOMPUTE:
+            model = {**MODEL, **recompute}
+            peer = dlab.launch("torch-tp", 4, runs_dir=runs_dir, wait=True, model_options=model,
+                               options={"tp": 2, "sequence_parallel": True, "fsdp": True}, **common)
+            mine = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, model_options=model,
+                               options=PEER_LAYOUT, **common)
+            rows.append(compared(step_seconds(mine), step_seconds(peer), layout=label(PEER_LAYOUT),
+                                 ranks=4, recompute=recompute.get("recompute", "none"),
+                                 metric="step_s", peer_name="torch-tp fsdp", **measure(mine)))
+        grid = [(4, o) for o in QUICK] if quick else [(w, o) for w in (4, 8) for o in layouts(w)]
+        for world, options in grid:
+            if not runnable(world, options):
+                continue
+            mine = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
+                               options=options, **common)
+            rows.append({"layout": label(options), "ranks": world, "recompute": "none",
+                         "step_s": step_seconds(mine), **measure(mine)})
+    return rows
