@@ -10,9 +10,10 @@ bytes this rank measurably wrote to the transport during the step (``dlab.comm.w
 where not measurable: NCCL, not Linux). ``comm_by_op`` splits them per operation; the step's
 measured bytes that no ``Comm`` operation took (a collective called on ``torch.distributed``
 directly, such as the logged loss's mean) appear there as ``outside_comm``; overlapping ops of
-different kinds share one ``overlapped:<ops>`` entry (``dlab.comm.wire``). A strategy of several dimensions names its
-``Comm``s (``Strategy.comms_by_dim``): ``comm_by_dim`` then splits the same figures by dimension. Everything the rank
-writes itself (this record, timeline, logs) is written after the step's window closes.
+different kinds share one ``overlapped:<ops>`` entry (``dlab.comm.wire``). A strategy of
+several dimensions names its ``Comm``s (``Strategy.comms_by_dim``): ``comm_by_dim`` then splits
+the same figures by dimension. Everything the rank writes itself (this record, timeline, logs)
+is written after the step's window closes.
 
 Utilization against the device's peak: ``mfu`` counts the FLOPs the model needs
 (``flops_per_token``), ``hfu`` the FLOPs the hardware ran, the forwards that activation
