@@ -16,6 +16,18 @@ under ``loss_parallel`` on those slices, so no rank holds the full logits. The p
 embedding and the final layer norm are whole on every rank, as in ``tp``. DTensor's
 collectives bypass dlab's counting ``Comm``, so only the data-parallel all-reduce is counted
 here; the bench compares step time and memory.
+
+With ``fsdp=True`` the data-parallel replicas do not all-reduce their gradients: after
+``parallelize_module`` the model is sharded with FSDP2 (``fully_shard``, each block, then the
+root) over the "dp" dimension of the same 2-D mesh, PyTorch's own FSDP2 + TP composition in
+torchtitan's order. It is the peer of ``nd`` with ``zero=3`` and ``tp``. FSDP2 splits each
+rank's TP shard again on dim 0 over dp: a Colwise weight becomes ``(_StridedShard(0),
+Shard(0))`` on the (dp, tp) mesh, a Rowwise one ``(Shard(0), Shard(1))``, what TP leaves plain
+(the position table, the norms without sequence parallelism) a 1-D DTensor on the dp mesh. It
+all-gathers a block's TP shards over dp before its forward and backward and reduce-scatters
+(averages) its gradients over dp, so a rank holds 1/(dp*tp) of each TP-split matrix and 1/dp of
+what TP replicates, its gradient and optimizer state likewise; its collectives bypass ``Comm``
+too. With dp = 1 there is nothing to shard over: ``fsdp`` is refused there (``problems``).
 """
 from __future__ import annotations
 
@@ -33,9 +45,10 @@ from torch.distributed.tensor.parallel import (
 from dlab.data import shard
 from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel import register
-from dlab.parallel.base import Strategy
+from dlab.parallel.base import Option, Strategy
 from dlab.parallel.mesh import Mesh
 from dlab.parallel.tensor.strategy import OPTIONS, all_reduce_grads, tensor_parallel_problems, tp_options
+from dlab.parallel.zero.torch_fsdp import ParamMeter, shard_with_fsdp2
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -64,6 +77,11 @@ class LocalShardMeter(ActivationMeter):
         return saved.tensor if isinstance(saved, _Holder) else ActivationMeter._unpack(saved)
 
 
+class FSDPLocalShardMeter(LocalShardMeter, ParamMeter):
+    """Under FSDP2 the weights a forward saves are the all-gathered ones, new each step: they
+    are recognised by storage (``ParamMeter``) after the DTensor is reduced to its local shard."""
+
+
 def block_plan(sequence_parallel: bool) -> dict:
     if not sequence_parallel:
         return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
@@ -81,17 +99,29 @@ def block_plan(sequence_parallel: bool) -> dict:
 @register("torch-tp")
 class TorchTensorParallel(Strategy):
     """PyTorch's ``parallelize_module`` (Colwise / Rowwise / SequenceParallel) on the GPT's
-    blocks; options as ``tp``: ``tp`` and ``sequence_parallel``. TP x DP through a mesh."""
+    blocks; options as ``tp``: ``tp`` and ``sequence_parallel``. TP x DP through a mesh, the
+    DP side all-reducing gradients or, with ``fsdp``, FSDP2 over the mesh's "dp" dimension."""
 
     # PyTorch's SequenceParallel chooses its own collectives: dlab's reduce_scatter option does not apply
-    OPTIONS = {k: v for k, v in OPTIONS.items() if k != "reduce_scatter"}
+    OPTIONS = {**{k: v for k, v in OPTIONS.items() if k != "reduce_scatter"},
+               "fsdp": Option("bool", "shard parameters, gradients and optimizer state over the "
+                              "data-parallel ranks with FSDP2 (fully_shard on the 'dp' mesh "
+                              "dimension, after TP) instead of all-reducing gradients; the peer "
+                              "of nd with zero=3; needs dp = world_size / tp > 1", default=False)}
 
     @classmethod
     def problems(cls, config):
-        return super().problems(config) + tensor_parallel_problems(config)
+        p = super().problems(config) + tensor_parallel_problems(config)
+        tp, _ = tp_options(config)
+        if config.options.get("fsdp", False) and config.world_size == tp:
+            p.append(f"fsdp needs dp > 1: world_size={config.world_size} with tp={tp} leaves one "
+                     f"data-parallel rank, nothing for FSDP2 to shard over; use a world_size "
+                     f"that is a multiple of tp above it, a smaller tp, or fsdp=False")
+        return p
 
     def setup(self) -> None:
         self.tp, self.sp = tp_options(self.ctx.config)
+        self.fsdp = bool(self.ctx.config.options.get("fsdp", False))
         self.dp = self.ctx.world_size // self.tp
         self.mesh = Mesh({"dp": self.dp, "tp": self.tp}, device_type=self.ctx.device.type)
         tp_mesh = self.mesh.device_mesh["tp"]
@@ -118,9 +148,15 @@ class TorchTensorParallel(Strategy):
             head.projection = lambda: self.model.embed.tok.weight
         else:
             head.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
+        if self.fsdp:
+            # after TP, as torchtitan orders it: FSDP2 shards each TP DTensor again over dp (and
+            # points the tied head at the embedding's weight as it is at call time, since
+            # FSDP2 swaps the sharded and the gathered parameter)
+            shard_with_fsdp2(self.model, mesh=self.mesh.device_mesh["dp"])
         self.params = list(self.model.parameters())
         self.optimizer = self.build_optimizer(self.params)
-        self.meter = LocalShardMeter([_local(p) for p in self.params])
+        self.meter = (FSDPLocalShardMeter(self.model) if self.fsdp
+                      else LocalShardMeter([_local(p) for p in self.params]))
 
     def step(self, batch):
         x, y = (t.to(self.ctx.device) for t in shard(batch, self.mesh.rank("dp"), self.dp))
@@ -129,7 +165,7 @@ class TorchTensorParallel(Strategy):
         self.meter.reset_peak()
         with loss_parallel():  # cross-entropy on this rank's vocabulary slice of the logits
             loss = _local(self.forward_backward(x, y))
-        if self.dp > 1:
+        if self.dp > 1 and not self.fsdp:  # FSDP2 reduce-scatters the gradients in backward
             with tl.span("all_reduce"):
                 locals_ = [_LocalGrad(p) for p in self.params]
                 all_reduce_grads(locals_, self.mesh.comm("dp"), average=True)

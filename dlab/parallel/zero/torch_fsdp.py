@@ -33,7 +33,7 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class _ParamMeter(ActivationMeter):
+class ParamMeter(ActivationMeter):
     """Saved parameters are not activations. FSDP2 moves them (the gathered tensors are new
     each step), so they are recognised when saved: a Parameter, or a view (``weight.t()``) of a
     storage that a parameter of the model currently uses."""
@@ -74,7 +74,7 @@ class TorchFSDP2(Strategy):
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         self.model = shard_with_fsdp2(model, **kwargs)
         self.optimizer = self.build_optimizer(model.parameters())
-        self.meter = _ParamMeter(model)
+        self.meter = ParamMeter(model)
 
     def step(self, batch):
         x, y = (t.to(self.ctx.device) for t in shard(batch, self.ctx.rank, self.ctx.world_size))
