@@ -119,7 +119,8 @@ def run(quick: bool = False) -> list[dict]:
                                options=PEER_LAYOUT, **common)
             rows.append(compared(step_seconds(mine), step_seconds(peer), layout=label(PEER_LAYOUT),
                                  ranks=4, recompute=recompute.get("recompute", "none"),
-                                 metric="step_s", peer_name="torch-tp fsdp", **measure(mine)))
+                                 metric="step_s", peer_name="torch-tp fsdp",
+                                 step_s=step_seconds(mine), **measure(mine)))
         grid = [(4, o) for o in QUICK] if quick else [(w, o) for w in (4, 8) for o in layouts(w)]
         for world, options in grid:
             if not runnable(world, options):
