@@ -80,8 +80,8 @@ def model_state(config: dict | None, rank: int) -> dict[str, int] | None:
     """Parameters, gradients and optimizer state that ``dlab.estimate.memory`` predicts rank
     ``rank`` holds: a full fp32 replica for single-process and plain data-parallel runs, dlab's
     exact ZeRO accounting (padding and step counters included) for zero1-3, ``estimate.nd`` for
-``nd`` (each rank by its pipeline rank); None for the
-    strategies it has no per-rank formula for."""
+    ``nd`` (each rank by its pipeline rank); None for the strategies it has no per-rank formula
+    for."""
     from dlab import models
     from dlab.estimate import memory
     found = _run_config(config)

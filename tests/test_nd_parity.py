@@ -88,6 +88,24 @@ def test_three_and_four_dimensions_train_like_single(world, config, options, run
     check(world, config, options, runs_dir, reference)
 
 
+@pytest.mark.parametrize("config,options", [
+    (GPT, {"pp": 2, "tp": 2, **SP}),
+    pytest.param(MOE, {"dp": 2, "ep": 2, "tp": 2, **SP}, marks=pytest.mark.slow),
+], ids=["gpt-pp2-tp2", "moe-dp2-ep2-tp2"])
+def test_adam_state_without_zero_is_the_estimate(config, options, runs_dir):
+    """Adam without ZeRO keeps a step counter per parameter tensor: each rank's count (its
+    stages' blocks, embedding, head, the last stage's copy of the tied matrix, its experts)
+    read off the model's structure, beside what the optimizer holds."""
+    run = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, options=options,
+                      **{**config, "optimizer": "adam", "steps": 1})
+    cfg = RunConfig.from_dict(run.config)
+    lay, mc = Layout.from_config(cfg), cfg.model_config()
+    for r in range(4):
+        want = nd.model_state(mc, lay, r // (4 // lay.pp), "adam")
+        got = run.metrics(r)[-1]["memory"]
+        assert {k: got[k] for k in want} == want, r
+
+
 @pytest.mark.parametrize("world,recompute,options", [
     (4, {"recompute": "full", "recompute_every": 2}, {"dp": 2, "zero": 3, "tp": 2, **SP}),
     pytest.param(4, {"recompute": "selective"}, {"dp": 2, "zero": 3, "tp": 2, **SP},

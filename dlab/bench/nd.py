@@ -3,9 +3,10 @@ beside ``dlab.estimate.nd``, and dp x ZeRO-3 x tp beside PyTorch's own FSDP2 + T
 
 Layouts: every (pp, dp, cp, tp) whose product is the world size and that the model divides
 (``Layout.problems`` refuses the rest: tp must divide the 4 heads, pp at most the 4 blocks, the
-sequence must cut into 2 cp chunks per rank), each with ZeRO-1 over its data ranks when it has
-more than one, sequence parallelism whenever tp > 1 (as Megatron-Core runs TP today) and the
-1F1B schedule with 4 micro-batches when pp > 1. Per layout, the fullest rank's measured figures
+sequence must cut into 2 cp chunks per rank, the batch into dp x micro-batches), each with
+ZeRO-1 over its data ranks when it has more than one, sequence parallelism whenever tp > 1 (as
+Megatron-Core runs TP today), the 1F1B schedule with 4 micro-batches when pp > 1, and Adam (the
+default optimizer). Per layout, the fullest rank's measured figures
 beside the model's for that rank:
 
 - ``state_MB``: parameters + gradients + optimizer state (``estimate.nd.model_state``);
@@ -27,6 +28,7 @@ bytes, not speed-ups. ``--quick``: the peer row and three 4-rank layouts.
 from __future__ import annotations
 
 import itertools
+import math
 import tempfile
 
 from dlab.bench import compared
@@ -48,7 +50,7 @@ def layouts(world: int) -> list[dict]:
     """Every (pp, dp, cp, tp) of ``world`` ranks as ``nd`` options, in mesh order."""
     out = []
     for degrees in itertools.product(*[[d for d in range(1, world + 1) if world % d == 0]] * 4):
-        if _product(degrees) != world:
+        if math.prod(degrees) != world:
             continue
         opts = {k: d for k, d in zip(MESH_ORDER, degrees) if d > 1}
         if opts.get("dp", 1) * opts.get("cp", 1) > 1:
@@ -57,13 +59,6 @@ def layouts(world: int) -> list[dict]:
             opts["sequence_parallel"] = True
         out.append(opts)
     return out
-
-
-def _product(xs) -> int:
-    p = 1
-    for x in xs:
-        p *= x
-    return p
 
 
 def runnable(world: int, options: dict, model_options: dict = MODEL) -> bool:
@@ -94,14 +89,15 @@ def measure(run) -> dict:
             "state_model_MB": sum(state.values()) / MB,
             "sent_MB": m["comm"]["sent_bytes"] / MB,
             "sent_model_MB": nd.step_bytes(mc, lay, cfg.batch_size, pp_rank)["total"] / MB,
-            "wire_MB": (m["comm"]["wire_bytes"] or 0) / MB,
+            "wire_MB": None if m["comm"]["wire_bytes"] is None else m["comm"]["wire_bytes"] / MB,
             "act_MB": m["memory"]["activations"] / MB,
             "act_model_MB": nd.activations(mc, lay, cfg.batch_size, pp_rank)["peak"] / MB})
     out = {}
     for key in ("state", "sent", "act"):
         top = max(per_rank, key=lambda row: row[f"{key}_MB"])
         out[f"{key}_MB"], out[f"{key}_model_MB"] = top[f"{key}_MB"], top[f"{key}_model_MB"]
-    out["wire_MB"] = max(row["wire_MB"] for row in per_rank)
+    wire = [row["wire_MB"] for row in per_rank]
+    out["wire_MB"] = None if None in wire else max(wire)  # not measurable: NCCL, not Linux
     return out
 
 

@@ -52,10 +52,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from dlab.estimate import activations as act
 from dlab.estimate import tensor
 from dlab.estimate.memory import padded
-from dlab.estimate.pipeline import in_flight
+from dlab.models import MODELS
 from dlab.models import recompute as rc
 from dlab.parallel.nd.layout import Layout
 from dlab.parallel.pipeline import schedules
@@ -107,24 +109,48 @@ def _state(sizes: list[int], n: int, zero: int, k: int, counters: int) -> dict[s
             "optimizer": k * chunk + counters}
 
 
-def model_state(cfg, lay: Layout, pp_rank: int, optimizer: str = "sgd",
-                tensors: int | None = None) -> dict[str, int]:
+def model_state(cfg, lay: Layout, pp_rank: int, optimizer: str = "sgd") -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state a rank at ``pp_rank`` holds after a
-    step. ``tensors``: parameter tensors the optimizer steps (Adam keeps a 4-byte counter per
-    tensor; with ZeRO one per unit)."""
+    step. Adam keeps a 4-byte step counter per tensor it steps: with ZeRO one per flat unit,
+    without it one per parameter tensor (``tensor_counts``)."""
     dense, experts = units(cfg, lay, pp_rank)
     k = 8 if optimizer == "adam" else 4
     n = lay.dp * lay.cp
+    tensors = tensor_counts(cfg, lay, pp_rank) if optimizer == "adam" and not lay.zero else (0, 0)
     out = {}
-    for sizes, group in ((dense, n), (experts, n // lay.ep)):
+    for sizes, group, count in ((dense, n, tensors[0]), (experts, n // lay.ep, tensors[1])):
         if not sizes:
             continue
-        counters = 0
-        if optimizer == "adam":
-            counters = 4 * (len(sizes) if lay.zero else (tensors or 0))
+        counters = 4 * (len(sizes) if lay.zero else count) if optimizer == "adam" else 0
         for key, val in _state(sizes, group, lay.zero, k, counters).items():
             out[key] = out.get(key, 0) + val
     return out
+
+
+def tensor_counts(cfg, lay: Layout, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) parameter tensors of a rank at ``pp_rank``, read off the model's
+    structure on the meta device (no memory): its stages' blocks, the embedding on the first
+    stage, the head on the last (with its own copy of a tied matrix unless it also holds the
+    embedding), and E/ep of each MoE layer's experts. Tensor parallelism cuts tensors, it does
+    not add or remove any."""
+    ranges, mine, n = _stages(cfg, lay, pp_rank)
+    first, last = 0 in mine, n - 1 in mine
+    model_cls = next(m for c, m in MODELS.values() if type(cfg) is c)
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    blocks = {f"blocks.{i}." for s in mine for i in ranges[s]}
+    dense = experts = 0
+    for name, _ in model.named_parameters():
+        if name.startswith(tuple(blocks)):
+            if ".experts." in name:
+                experts += 1
+            else:
+                dense += 1
+        elif (first and name.startswith("embed.")) or (last and name.startswith("head.")):
+            dense += 1
+    if last and not first and cfg.tied:
+        dense += 1  # the last stage's copy of the embedding matrix
+    return dense, experts // lay.ep
 
 
 def step_bytes(cfg, lay: Layout, global_batch: int, pp_rank: int,
@@ -185,8 +211,8 @@ def _replicated(cfg, blocks: int, first: bool, last: bool) -> int:
 def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, attention: str = "ring"
                 ) -> dict[str, float]:
     """Bytes of activations a rank at ``pp_rank`` holds: ``micro_batch`` (F above, summed
-    over the rank's stages), ``in_flight`` (k) and ``peak`` (what ``ActivationMeter`` measures
-    over a step), walking the schedule's action list with each stage's own F."""
+    over the rank's stages) and ``peak`` (what ``ActivationMeter`` measures over a step),
+    walking the schedule's action list with each stage's own F."""
     if lay.schedule in ("zb-h1", "zbv"):
         raise ValueError(f"the {lay.schedule} schedule's deferred weight gradients are not modelled")
     if lay.cp > 1 and attention != "ring":
@@ -215,7 +241,4 @@ def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, attention: st
         elif a.kind == "backward":
             peak = max(peak, now - held[a.stage] + back[a.stage])
             now -= held[a.stage]
-    return {"micro_batch": sum(held.values()),
-            "in_flight": in_flight(lay.schedule, lay.pp, lay.microbatches, pp_rank,
-                                   lay.virtual_stages),
-            "peak": peak}
+    return {"micro_batch": sum(held.values()), "peak": peak}
