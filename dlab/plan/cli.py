@@ -60,7 +60,8 @@ def _line(p) -> str:
     t = p.time
     comm = sum(v for k, v in t.items() if k.endswith("_comm"))
     return (f"{p.layout.describe():<52} {t['total']:8.2f} {p.mfu:6.1%} {p.memory['total'] / GB:7.1f} "
-            f"{'yes' if p.fits else 'no':>4} {t['compute'] + t['recompute']:8.2f} {comm:7.2f} {t['bubble']:7.2f}")
+            f"{'yes' if p.fits else 'no':>4} {t['compute'] + t['recompute']:8.2f} {comm:7.2f} "
+            f"{t['bubble']:7.2f}")
 
 
 HEADER = (f"{'layout':<52} {'step s':>8} {'MFU':>6} {'mem GB':>7} {'fits':>4} "

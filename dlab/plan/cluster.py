@@ -27,7 +27,9 @@ paid per ring step. The constants below are assumptions, each with its reason:
 "this machine" (``this_machine``) is the CPU the lab runs on: one thread per rank, the peak the
 fp32 matmul probe measures (``dlab.metrics.measure_cpu_peak_flops``), ranks sharing ``cores``
 (a rank beyond them waits its turn), and the alpha-beta link fitted by ``python -m dlab bench
-allreduce`` (``docs/bench/allreduce.json``'s "(fitted link)" rows).
+allreduce`` (``docs/bench/allreduce.json``'s "(fitted link)" rows). ``dlab.plan.calibrate``
+measures the rest for a given model: the rate and fixed cost of its layers on one thread, and
+what a blocking collective waits when ranks outnumber cores.
 """
 from __future__ import annotations
 
@@ -60,9 +62,14 @@ class Cluster:
     reserved: float = 4 * GB
     #: ranks that share one set of cores (the CPU machine); 0 on a GPU cluster
     cores: int = 0
-    #: per-rank seconds of framework overhead per layer forward+backward (the CPU lab's
-    #: Python and dispatcher time; zero on GPUs, where kernel launches hide behind the queue)
+    #: per-rank seconds of fixed cost per layer forward+backward (the CPU lab's Python and
+    #: dispatcher time; zero on GPUs, where kernel launches hide behind the queue)
     layer_overhead: float = 0.0
+    #: with more ranks than ``cores``: how much longer a rank's compute takes than alone
+    #: (``calibrate.sync_probe``; 0 means an even share, ranks / cores), and the seconds each
+    #: blocking collective waits for its peers to be scheduled; unused on GPUs
+    slowdown: float = 0.0
+    sync: float = 0.0
 
     def link(self, span: int) -> Link:
         """The link a group of ``span`` consecutive ranks' collectives run on."""
@@ -101,21 +108,18 @@ def fitted_link(ranks: int, path: Path = FITTED_LINK) -> Link:
     return Link(row["link GB/s"] * GB, row["alpha_us"] * 1e-6 / steps)
 
 
-def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: float | None = None
-                 ) -> Cluster:
-    """The lab's CPU: ``peak`` per rank measured now unless given (one thread per rank)."""
+def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: float = 0.0,
+                 sync: float = 0.0) -> Cluster:
+    """The lab's CPU: ``peak`` per rank measured now unless given (one thread per rank).
+    ``dlab.plan.calibrate.this_machine`` measures every constant for a given model."""
     from dlab.metrics import measure_cpu_peak_flops
     cores = os.cpu_count() or 1
     link = fitted_link(ranks)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = measure_cpu_peak_flops(1) if peak is None else peak
     return Cluster("this machine (CPU, Gloo on loopback)", peak, mem / max(ranks, 1), 10 * GB, 1 << 20,
-                   link, link, 1.0, 1.0, reserved=0.0, cores=cores,
-                   layer_overhead=CPU_LAYER_OVERHEAD if layer_overhead is None else layer_overhead)
-
-
-#: assumed, see ``layer_overhead``; measured by ``overhead_probe``
-CPU_LAYER_OVERHEAD = 0.0
+                   link, link, 1.0, 1.0, reserved=0.0, cores=cores, layer_overhead=layer_overhead,
+                   sync=sync)
 
 
 def with_ranks(cluster: Cluster, ranks: int) -> Cluster:

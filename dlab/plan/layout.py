@@ -4,8 +4,9 @@ The mesh is ``nd``'s (``dlab.parallel.nd.layout``): pp x dp x cp x tp, tp fastes
 nodes in order, so a dimension's group spans ``stride x degree`` consecutive ranks, its stride
 the product of the degrees inside it: tp spans tp ranks, cp tp x cp, the data ranks (dp x cp,
 over which gradients are reduced and ZeRO shards) tp x cp x dp, and a pipeline neighbour is
-tp x cp x dp ranks away (inside a node only if the whole pipeline is). ``Cluster.link`` turns a span into the link it runs on. Expert
-parallelism folds onto the data ranks (ep of them next to each other, stride tp).
+tp x cp x dp ranks away (inside a node only if the whole pipeline is). ``Cluster.link`` turns
+a span into the link it runs on. Expert parallelism folds onto the data ranks (ep of them next
+to each other, stride tp).
 
 ``micro_batch`` is the sequences one micro-batch carries on a rank; the global batch B then
 makes m = B / (dp x micro_batch) micro-batches per step.
@@ -74,6 +75,19 @@ class PlanLayout:
         return NDLayout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, zero=self.zero,
                         schedule=self.schedule, microbatches=self.microbatches(global_batch),
                         virtual_stages=self.v, sequence_parallel=self.sp and self.tp > 1)
+
+    def nd_options(self, global_batch: int) -> dict:
+        """The ``nd`` strategy's options that run this layout (recomputation is a model option)."""
+        out = {k: getattr(self, k) for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1}
+        if self.zero:
+            out["zero"] = self.zero
+        if self.sp and self.tp > 1:
+            out["sequence_parallel"] = True
+        if self.pp > 1:
+            out.update(schedule=self.schedule, microbatches=self.microbatches(global_batch))
+            if self.v > 1:
+                out["virtual_stages"] = self.v
+        return out
 
     def problems(self, spec, global_batch: int, seq_len: int) -> list[str]:
         """What stops this layout for this model and batch, each saying what to change."""

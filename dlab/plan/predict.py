@@ -8,8 +8,10 @@ over N GPUs' peak.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from dlab.estimate import nd as nd_estimate
 from dlab.plan import time as tm
 from dlab.plan.memory import memory
 from dlab.plan.time import bubble_fraction
@@ -29,6 +31,7 @@ class Prediction:
     hfu: float
     fits: bool
     capacity: float  # bytes a GPU can give to tensors
+    sent: dict[str, float] = field(default_factory=dict)  # bytes sent per step by dimension
     assumptions: list[str] = field(default_factory=list)
 
     @property
@@ -59,11 +62,16 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
     for pp_rank in sorted({0, lay.pp - 1}):
         comp = tm.stage_compute(spec, cluster, lay, seq_len, pp_rank)
         work = m * (comp["forward"] + comp["backward"] + comp["recompute"])
-        comm = tm.comm_times(spec, cluster, lay, global_batch, seq_len, pp_rank, comp)
+        comm, sent = tm.comm_times(spec, cluster, lay, global_batch, seq_len, pp_rank, comp)
         total = work + sum(comm.values()) + tm.optimizer_time(spec, cluster, lay, pp_rank)
         if worst is None or total > worst[0]:
-            worst = (total, comp, work, comm, pp_rank)
-    _, comp, work, comm, pp_rank = worst
+            worst = (total, comp, work, comm, sent, pp_rank)
+    _, comp, work, comm, sent, pp_rank = worst
+    if spec.gpt is not None:  # the lab's GPT: the busiest rank's exact bytes (dlab.estimate.nd)
+        cfg = dataclasses.replace(spec.gpt, seq_len=seq_len, recompute=lay.recompute)
+        sent = max((nd_estimate.step_bytes(cfg, lay.nd(global_batch), global_batch, r)
+                    for r in range(lay.pp)), key=lambda d: d["total"])
+        sent.pop("total")
     frac = bubble_fraction(lay, m)
     parts = {"compute": m * (comp["forward"] + comp["backward"]),
              "recompute": m * comp["recompute"],
@@ -81,4 +89,5 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
     if cluster.cores:
         notes.append(f"{lay.world} ranks share {cluster.cores} cores; nothing overlaps on the CPU")
     return Prediction(lay, mem, parts, tokens / parts["total"], model_flops / parts["total"] / peak,
-                      hw_flops / parts["total"] / peak, mem["total"] <= capacity, capacity, notes)
+                      hw_flops / parts["total"] / peak, mem["total"] <= capacity, capacity,
+                      {**sent, "total": sum(sent.values())}, notes)

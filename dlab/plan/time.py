@@ -25,7 +25,8 @@ all-gather or reduce-scatter, plus alpha per ring step. What is assumed hidden:
   rule; dlab's ``nd`` instead keeps the whole gradient until the last micro-batch), ZeRO-3
   gathers behind each micro-batch's forward and backward; what does not fit in a window shows;
 - on the CPU machine (``Cluster.cores``) nothing hides: the cores that would compute are the
-  ones that move the bytes.
+  ones that move the bytes; with more ranks than cores every blocking collective also waits
+  ``Cluster.sync`` for its peers to be scheduled (``_rounds`` counts them).
 
 Bubble: the schedule's idle fraction (``estimate.pipeline.bubble``, the zero-bubble forms with
 the input and weight gradients half of backward each; the simulation where no closed form
@@ -49,9 +50,10 @@ def _gather(nbytes: float, n: int, link) -> float:
 
 
 def _peak_per_rank(cluster, lay) -> float:
-    """A GPU's peak, or a CPU rank's share of the cores when ranks outnumber them."""
-    if cluster.cores:
-        return cluster.peak * min(1.0, cluster.cores / lay.world)
+    """A GPU's peak, or a CPU rank's share of the cores when ranks outnumber them (measured,
+    ``Cluster.slowdown``, or an even share)."""
+    if cluster.cores and lay.world > cluster.cores:
+        return cluster.peak / (cluster.slowdown or lay.world / cluster.cores)
     return cluster.peak
 
 
@@ -67,7 +69,8 @@ def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, f
         mm_flops += 2 * b * s * spec.embedding_params() / t  # the head
     attn_flops = layers * 4 * b * s * seq_len * h / t / 2  # causal: half the keys on average
     elementwise = 8 * s * b * h / r + 12 * s * b * h / r  # two norms, two residual adds
-    elementwise += (6 if spec.mlp == "swiglu" else 4) * s * b * f / t * (spec.top_k if spec.n_expert > 1 else 1)
+    experts = spec.top_k if spec.n_expert > 1 else 1
+    elementwise += (6 if spec.mlp == "swiglu" else 4) * s * b * f / t * experts
     if spec.dropout:
         elementwise += 3 * 5 * s * b * h / r
     if lay.attention == "math":
@@ -75,7 +78,7 @@ def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, f
     ew = layers * elementwise * e / 2 / cluster.hbm  # counted in 16-bit elements above
     mm = mm_flops / (peak * cluster.matmul_efficiency)
     attn = attn_flops / (peak * cluster.attention_efficiency)
-    overhead = layers * cluster.layer_overhead
+    overhead = layers * cluster.layer_overhead * cluster.peak / peak  # shares the cores too
     forward = mm + attn + ew + overhead / 3
     backward = 2 * (mm + attn + ew) + 2 * overhead / 3
     recompute = {"full": forward, "selective": attn}.get(lay.recompute, 0.0)
@@ -84,51 +87,86 @@ def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, f
 
 
 def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int,
-               comp: dict[str, float]) -> dict[str, float]:
-    """Exposed seconds per step of each dimension's communication on ``pp_rank``."""
+               comp: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(exposed seconds, bytes sent) per step of each dimension's communication on
+    ``pp_rank``; bytes under the ring model (an all-reduce sends 2 (n-1)/n of its buffer)."""
     m = lay.microbatches(global_batch)
     b, s, h = lay.micro_batch, seq_len // lay.cp, spec.d_model
     e = 4 if lay.precision == "fp32" else 2
     layers, t = comp["layers"], lay.tp
     cpu = bool(cluster.cores)
     out = dict.fromkeys(("tp", "cp", "ep", "pp", "data"), 0.0)
+    sent = dict(out)
+    rounds = _rounds(spec, lay, m, layers) if cpu and lay.world > cluster.cores else {}
     act = e * b * s * h
-    if t > 1 and not lay.tp_overlap:
-        per_layer = 4 + (2 if lay.recompute == "full" else 0)
-        out["tp"] = m * layers * per_layer * _allreduce(act, t, cluster.link(lay.span("tp")))
+    if t > 1:
+        calls = m * layers * (4 + (2 if lay.recompute == "full" else 0))
+        sent["tp"] = calls * 2 * (t - 1) / t * act
+        if not lay.tp_overlap:
+            out["tp"] = calls * _allreduce(act, t, cluster.link(lay.span("tp")))
     if lay.cp > 1:
         link = cluster.link(lay.span("cp"))
         kv = 2 * e * b * s * spec.kv_width / min(t, spec.n_kv_head)
         passes = (lay.cp - 1) * (1 + 2 + (1 if lay.recompute != "none" else 0))
-        sent = passes * (kv / link.bandwidth + link.alpha)
+        sent["cp"] = m * layers * passes * kv
         hidden = 0.0 if cpu else comp["attention_forward"] * (3 + (1 if lay.recompute != "none" else 0))
-        out["cp"] = m * layers * max(0.0, sent - hidden)
+        out["cp"] = m * layers * max(0.0, passes * (kv / link.bandwidth + link.alpha) - hidden)
     if spec.n_expert > 1 and lay.ep > 1:
         link = cluster.link(lay.span("ep"))
-        per = act * spec.top_k * (lay.ep - 1) / lay.ep / link.bandwidth + (lay.ep - 1) * link.alpha
-        out["ep"] = m * layers * (4 + (2 if lay.recompute == "full" else 0)) * per
+        calls = m * layers * (4 + (2 if lay.recompute == "full" else 0))
+        per = act * spec.top_k * (lay.ep - 1) / lay.ep
+        sent["ep"] = calls * per
+        out["ep"] = calls * (per / link.bandwidth + (lay.ep - 1) * link.alpha)
     if lay.pp > 1:
         link = cluster.link(lay.span("pp"))
         boundary = act / (t if lay.sp else 1)
+        sent["pp"] = 2 * lay.v * m * boundary
         out["pp"] = 2 * lay.v * m * (boundary / link.bandwidth + link.alpha)
     n = lay.dp * lay.cp
     if n > 1:
-        out["data"] = _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu)
+        out["data"], sent["data"] = _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu)
+    for dim, count in rounds.items():
+        out[dim] += count * cluster.sync
+    return out, sent
+
+
+def _rounds(spec, lay, m: int, layers: int) -> dict[str, float]:
+    """Blocking collectives per step of each dimension on a rank (the CPU machine pays
+    ``Cluster.sync`` on each when ranks outnumber cores): tensor parallelism's two per layer
+    each way (four apiece as all-gather/reduce-scatter pairs under sequence parallelism, and
+    the forward's again under full recomputation) and six for the vocabulary-parallel
+    embedding, head and loss; ring attention's c - 1 passes forward and backward (and forward
+    again when the core is recomputed); a pipeline transfer per chunk each way; the gradient
+    reduction (one flat all-reduce, or a reduce-scatter and an all-gather per unit, ZeRO-3's
+    2m gathers per unit)."""
+    per = 2 if lay.sp else 1
+    out = {"tp": m * (layers * per * (4 + (2 if lay.recompute == "full" else 0)) + 6) if lay.tp > 1 else 0,
+           "cp": m * layers * (lay.cp - 1) * (2 + (1 if lay.recompute != "none" else 0)),
+           "pp": 2 * lay.v * m if lay.pp > 1 else 0,
+           "ep": m * layers * 4 if spec.n_expert > 1 and lay.ep > 1 else 0}
+    if lay.dp * lay.cp > 1:
+        units = layers + 1
+        out["data"] = {0: 1, 1: 2 * units, 2: 2 * units}.get(lay.zero, units * (2 * m + 1))
     return out
 
 
-def _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu) -> float:
+def _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu) -> tuple[float, float]:
+    """(exposed seconds, bytes sent) of the gradient reduction over the data ranks."""
     w, g, _ = BYTES[lay.precision]
     link = cluster.link(lay.span("data"))
     dense, experts = rank_params(spec, lay, pp_rank)
     groups = [(dense, n)] + ([(experts, n // lay.ep)] if experts and n // lay.ep > 1 else [])
     f, bwd = comp["forward"], comp["backward"] + comp["recompute"]
-    exposed = 0.0
+    exposed = sent = 0.0
     for psi, k in groups:
+        ring = (k - 1) / k
         if lay.zero == 0:
             reduce, gather = _allreduce(g * psi, k, link), 0.0
+            sent += 2 * ring * g * psi
         else:
             reduce, gather = _gather(g * psi, k, link), _gather(w * psi, k, link)
+            reduces = m if lay.zero >= 2 else 1
+            sent += ring * psi * (g * reduces + w * (2 * m if lay.zero == 3 else 1))
         if cpu:
             exposed += reduce + gather * (2 * m if lay.zero == 3 else 1)
         elif lay.zero == 3:
@@ -137,7 +175,7 @@ def _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu) -> float:
             exposed += m * max(0.0, reduce - bwd) + max(0.0, gather - f)
         else:
             exposed += max(0.0, reduce - bwd) + max(0.0, gather - f)
-    return exposed
+    return exposed, sent
 
 
 def bubble_fraction(lay, m: int) -> float:
