@@ -8,8 +8,6 @@ published sizes of the presets.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
@@ -154,15 +152,15 @@ def test_70b_on_1024_h100s_ranks_a_layout_a_practitioner_recognises():
     assert 0.3 < preds[0].mfu < 0.7
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "dlab", "plan", *args], capture_output=True, text=True)
-
-
-def test_cli_ranks_and_refuses_bad_input():
-    done = _cli("--model", "llama3-8b", "--gpus", "16", "--batch", "64", "--seq", "2048", "--top", "3")
-    assert done.returncode == 0, done.stderr
-    assert "layouts in" in done.stdout and "MFU" in done.stdout
-    bad = _cli("--model", "gpt5")
-    assert bad.returncode == 2 and "unknown model preset 'gpt5'" in bad.stderr
-    bad = _cli("--layout", "tp=8,pq=2")
-    assert bad.returncode == 2 and "key one of" in bad.stderr
+def test_cli_ranks_and_refuses_bad_input(capsys):
+    from dlab.__main__ import main
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--batch", "64", "--seq", "2048",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts in" in out and "MFU" in out
+    assert main(["plan", "--model", "gpt5"]) == 2
+    assert "unknown model preset 'gpt5'" in capsys.readouterr().err
+    assert main(["plan", "--layout", "tp=8,pq=2"]) == 2
+    assert "key one of" in capsys.readouterr().err
+    assert main(["plan", "--layout", "tp=8,pp=4", "--gpus", "48"]) == 2
+    assert "does not divide --gpus 48" in capsys.readouterr().err

@@ -50,8 +50,7 @@ def run(quick: bool = False) -> list[dict]:
         machines = {w: calibrate.this_machine(cfg, w, runs_dir=runs_dir) for w in worlds}
         for w, c in machines.items():
             rows.append({"layout": "(calibration)", "ranks": w, "rate_GFLOPs": c.peak / 1e9,
-                         "layer_overhead_ms": c.layer_overhead * 1e3, "slowdown": c.slowdown,
-                         "sync_ms": c.sync * 1e3,
+                         "layer_overhead_ms": c.layer_overhead * 1e3, "sync_ms": c.sync * 1e3,
                          "alpha_us": c.intra.alpha * 1e6, "link_GBs": c.intra.bandwidth / 1e9})
         grid = [(4, o) for o in QUICK] if quick else [(w, o) for w in worlds for o in layouts(w)]
         for world, options in grid:

@@ -65,10 +65,8 @@ class Cluster:
     #: per-rank seconds of fixed cost per layer forward+backward (the CPU lab's Python and
     #: dispatcher time; zero on GPUs, where kernel launches hide behind the queue)
     layer_overhead: float = 0.0
-    #: with more ranks than ``cores``: how much longer a rank's compute takes than alone
-    #: (``calibrate.sync_probe``; 0 means an even share, ranks / cores), and the seconds each
-    #: blocking collective waits for its peers to be scheduled; unused on GPUs
-    slowdown: float = 0.0
+    #: with more ranks than ``cores``: seconds each blocking collective waits for its peers to
+    #: be scheduled (``calibrate.sync_probe``); unused on GPUs
     sync: float = 0.0
 
     def link(self, span: int) -> Link:

@@ -129,6 +129,9 @@ class PlanLayout:
         if global_batch % (self.dp * self.micro_batch):
             out.append(f"global batch {global_batch} does not split into dp={self.dp} x "
                        f"micro_batch={self.micro_batch}; pick a multiple of {self.dp * self.micro_batch}")
+        elif spec.gpt is not None and self.pp == 1 and self.microbatches(global_batch) > 1:
+            out.append(f"dlab's nd accumulates micro-batches only under a pipeline; with pp=1 use "
+                       f"micro_batch = batch / dp = {global_batch // self.dp}")
         elif self.pp > 1:
             m = self.microbatches(global_batch)
             if self.schedule == "interleaved" and m % self.pp:

@@ -50,10 +50,9 @@ def _gather(nbytes: float, n: int, link) -> float:
 
 
 def _peak_per_rank(cluster, lay) -> float:
-    """A GPU's peak, or a CPU rank's share of the cores when ranks outnumber them (measured,
-    ``Cluster.slowdown``, or an even share)."""
+    """A GPU's peak, or a CPU rank's even share of the cores when ranks outnumber them."""
     if cluster.cores and lay.world > cluster.cores:
-        return cluster.peak / (cluster.slowdown or lay.world / cluster.cores)
+        return cluster.peak * cluster.cores / lay.world
     return cluster.peak
 
 
