@@ -1,4 +1,4 @@
-"""Command line: ``python -m dlab run|bench|check|env|lab|strategies|corpus``."""
+"""Command line: ``python -m dlab run|bench|check|env|lab|plan|strategies|corpus``."""
 from __future__ import annotations
 
 import argparse
@@ -109,6 +109,16 @@ def _corpus(args) -> int:
     return 0
 
 
+def _plan_arguments(p) -> None:
+    from dlab.plan.cli import add_arguments as plan_arguments
+    plan_arguments(p)
+
+
+def _plan(args) -> int:
+    from dlab.plan.cli import run
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dlab", description="dlab: distributed training lab")
     sub = p.add_subparsers(dest="command", required=True)
@@ -142,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     lab.add_argument("jupyter_args", nargs=argparse.REMAINDER,
                      help="further JupyterLab arguments, after --")
     lab.set_defaults(func=_lab)
+    pl = sub.add_parser("plan", help="predict memory, step time and MFU of layouts at any scale; "
+                                     "rank them")
+    _plan_arguments(pl)
+    pl.set_defaults(func=_plan)
     sub.add_parser("strategies", help="list the registered strategies").set_defaults(func=_strategies)
     sub.add_parser("corpus", help="write data/corpus.txt again").set_defaults(func=_corpus)
     args = p.parse_args(argv)

@@ -1,0 +1,75 @@
+"""``python -m dlab bench plan``: the planner's prediction beside a measured run, per layout.
+
+First the "this machine" preset is measured for the bench's model (``dlab.plan.calibrate``:
+one thread's rate and fixed cost per layer on that model, in this process; the fitted link;
+what a blocking collective waits at 4 and 8 ranks on these cores). Then every layout of
+``python -m dlab bench nd`` (the 4- and 8-rank grid; ``--quick``: three 4-rank layouts) runs
+under ``nd`` and its fullest rank's figures are set beside ``dlab.plan.plan`` of the same
+layout: model state and bytes sent (exact, so the error is 0), the activation peak, and the
+slowest rank's median step time. Each row has ``metric`` step_s with ``dlab`` = the
+prediction, ``peer`` = the measurement and ``ratio`` their quotient.
+"""
+from __future__ import annotations
+
+import tempfile
+
+from dlab.bench.hybrid import step_seconds
+from dlab.bench.nd import BATCH, MODEL, QUICK, label, layouts, measure, runnable
+from dlab.models.gpt import GPTConfig
+from dlab.plan import calibrate, plan
+from dlab.plan.layout import PlanLayout
+from dlab.plan.spec import from_gpt
+
+
+def plan_layout(options: dict, recompute: str = "none") -> PlanLayout:
+    """The planner's layout for ``nd`` options as the bench runs them (1F1B, 4 micro-batches
+    when pipelined, fp32)."""
+    pp, dp = options.get("pp", 1), options.get("dp", 1)
+    m = 4 if pp > 1 else 1
+    return PlanLayout(dp=dp, tp=options.get("tp", 1), pp=pp, cp=options.get("cp", 1),
+                      zero=options.get("zero", 0), sp=bool(options.get("sequence_parallel")),
+                      micro_batch=BATCH // (dp * m), recompute=recompute, precision="fp32")
+
+
+def predict(options: dict, machine, recompute: str = "none") -> dict:
+    cfg = GPTConfig(**MODEL)
+    p = plan(from_gpt(cfg), machine, plan_layout(options, recompute), BATCH, cfg.seq_len)
+    mem = p.memory
+    return {"step_model_s": p.step_s,
+            "state_plan_MB": (mem["parameters"] + mem["gradients"] + mem["optimizer"]) / 1e6,
+            "act_plan_MB": mem["activations"] / 1e6, "sent_plan_MB": p.sent["total"] / 1e6}
+
+
+def run(quick: bool = False) -> list[dict]:
+    import dlab
+
+    cfg = GPTConfig(**MODEL)
+    worlds = (4,) if quick else (4, 8)
+    rows = []
+    with tempfile.TemporaryDirectory() as runs_dir:
+        machines = {w: calibrate.this_machine(cfg, w, runs_dir=runs_dir) for w in worlds}
+        for w, c in machines.items():
+            rows.append({"layout": "(calibration)", "ranks": w, "rate_GFLOPs": c.peak / 1e9,
+                         "layer_overhead_ms": c.layer_overhead * 1e3, "sync_ms": c.sync * 1e3,
+                         "alpha_us": c.intra.alpha * 1e6, "link_GBs": c.intra.bandwidth / 1e9})
+        grid = [(4, o) for o in QUICK] if quick else [(w, o) for w in worlds for o in layouts(w)]
+        for world, options in grid:
+            if not runnable(world, options):
+                continue
+            run_ = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
+                               options=options, batch_size=BATCH, steps=3 if quick else 6)
+            measured, got = step_seconds(run_), measure(run_)
+            pred = predict(options, machines[world])
+            rows.append({"layout": label(options), "ranks": world, "metric": "step_s",
+                         "dlab": pred["step_model_s"], "peer": measured,
+                         "ratio": pred["step_model_s"] / measured,
+                         "state_MB": got["state_MB"], "state_plan_MB": pred["state_plan_MB"],
+                         "sent_MB": got["sent_MB"], "sent_plan_MB": pred["sent_plan_MB"],
+                         "act_MB": got["act_MB"], "act_plan_MB": pred["act_plan_MB"]})
+    return rows
+
+
+def error(row: dict) -> float:
+    """The step-time prediction's relative error of a row."""
+    return row["dlab"] / row["peer"] - 1
+

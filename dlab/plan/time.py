@@ -1,0 +1,195 @@
+"""Step time at any scale: compute, exposed communication per dimension, bubble, optimizer.
+
+Compute, per micro-batch on a rank's layers (b sequences, s / cp of its tokens): the matmuls,
+2 FLOPs per parameter a token multiplies by (forward; backward twice that), at the cluster's
+``matmul_efficiency`` of peak; attention's scores and values, 4 h s per token over the keys
+it sees, half of them under the causal mask (FlashAttention skips masked blocks), at
+``attention_efficiency``; and the layer's element-wise work (norms, residual adds, the MLP's
+activation function, dropout, a math core's softmax) as bytes read and written at HBM speed.
+Full recomputation runs each layer's forward again in backward, selective the attention core's.
+
+Communication, each collective on the link its group spans (``PlanLayout.span``,
+``Cluster.link``), ring costs 2 (n-1)/n bytes / busbw for an all-reduce, (n-1)/n for an
+all-gather or reduce-scatter, plus alpha per ring step. What is assumed hidden:
+
+- tp: nothing (Megatron-LM's all-reduces and sequence parallelism's all-gather/reduce-scatter
+  sit between the matmuls that need them) unless ``tp_overlap`` (Transformer Engine's
+  userbuffers, MegaScale), which hides them entirely;
+- cp: the ring's K/V passes hide behind the attention they feed, per layer; the excess shows;
+- ep: nothing (dispatch and combine all-to-alls wait for the tokens);
+- pp: each of the v m forward and v m backward boundary transfers of a rank is exposed;
+- data (dp x cp ranks): the gradient reduction hides behind the last micro-batch's backward
+  (bucketed, as DDP and Megatron's overlap-grad-reduce do), ZeRO-1/2's parameter all-gather
+  behind the first micro-batch's forward; ZeRO-2 and 3 reduce-scatter every micro-batch's
+  gradients behind its backward (a sharded gradient cannot accumulate the whole one: DeepSpeed's
+  rule; dlab's ``nd`` instead keeps the whole gradient until the last micro-batch), ZeRO-3
+  gathers behind each micro-batch's forward and backward; what does not fit in a window shows;
+- on the CPU machine (``Cluster.cores``) nothing hides: the cores that would compute are the
+  ones that move the bytes; with more ranks than cores every blocking collective also waits
+  ``Cluster.sync`` for its peers to be scheduled (``_rounds`` counts them).
+
+Bubble: the schedule's idle fraction (``estimate.pipeline.bubble``, the zero-bubble forms with
+the input and weight gradients half of backward each; the simulation where no closed form
+applies), applied to the slowest pipeline rank's work. Optimizer: Adam reads and writes its
+shard's state (28 bytes per parameter: gradient, master weight, two moments, the 16-bit copy)
+at HBM speed.
+"""
+from __future__ import annotations
+
+from dlab.estimate.pipeline import bubble, simulated_bubble
+from dlab.plan.memory import BYTES, layers_on, rank_params
+
+
+def _allreduce(nbytes: float, n: int, link) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.alpha
+
+
+def _gather(nbytes: float, n: int, link) -> float:
+    """An all-gather (or reduce-scatter) whose whole buffer is ``nbytes``."""
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.alpha
+
+
+def _peak_per_rank(cluster, lay) -> float:
+    """A GPU's peak, or a CPU rank's even share of the cores when ranks outnumber them."""
+    if cluster.cores and lay.world > cluster.cores:
+        return cluster.peak * cluster.cores / lay.world
+    return cluster.peak
+
+
+def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, float]:
+    """Seconds of forward, backward and recomputation of one micro-batch on ``pp_rank``."""
+    b, s, h, f = lay.micro_batch, seq_len // lay.cp, spec.d_model, spec.d_ff
+    t, r = lay.tp, (lay.tp if lay.sp else 1)
+    e = 4 if lay.precision == "fp32" else 2
+    layers = layers_on(spec, lay, pp_rank)
+    peak = _peak_per_rank(cluster, lay)
+    mm_flops = layers * 2 * b * s * spec.active_layer_params() / t
+    if pp_rank == lay.pp - 1:
+        mm_flops += 2 * b * s * spec.embedding_params() / t  # the head
+    attn_flops = layers * 4 * b * s * seq_len * h / t / 2  # causal: half the keys on average
+    elementwise = 8 * s * b * h / r + 12 * s * b * h / r  # two norms, two residual adds
+    experts = spec.top_k if spec.n_expert > 1 else 1
+    elementwise += (6 if spec.mlp == "swiglu" else 4) * s * b * f / t * experts
+    if spec.dropout:
+        elementwise += 3 * 5 * s * b * h / r
+    if lay.attention == "math":
+        elementwise += (4 + (5 if spec.dropout else 0)) * spec.n_head * s * seq_len * b / t
+    ew = layers * elementwise * e / 2 / cluster.hbm  # counted in 16-bit elements above
+    mm = mm_flops / (peak * cluster.matmul_efficiency)
+    attn = attn_flops / (peak * cluster.attention_efficiency)
+    overhead = layers * cluster.layer_overhead * cluster.peak / peak  # shares the cores too
+    forward = mm + attn + ew + overhead / 3
+    backward = 2 * (mm + attn + ew) + 2 * overhead / 3
+    recompute = {"full": forward, "selective": attn}.get(lay.recompute, 0.0)
+    return {"forward": forward, "backward": backward, "recompute": recompute,
+            "attention_forward": attn / layers if layers else 0.0, "layers": layers}
+
+
+def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int,
+               comp: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(exposed seconds, bytes sent) per step of each dimension's communication on
+    ``pp_rank``; bytes under the ring model (an all-reduce sends 2 (n-1)/n of its buffer)."""
+    m = lay.microbatches(global_batch)
+    b, s, h = lay.micro_batch, seq_len // lay.cp, spec.d_model
+    e = 4 if lay.precision == "fp32" else 2
+    layers, t = comp["layers"], lay.tp
+    cpu = bool(cluster.cores)
+    out = dict.fromkeys(("tp", "cp", "ep", "pp", "data"), 0.0)
+    sent = dict(out)
+    rounds = _rounds(spec, lay, m, layers) if cpu and lay.world > cluster.cores else {}
+    act = e * b * s * h
+    if t > 1:
+        calls = m * layers * (4 + (2 if lay.recompute == "full" else 0))
+        sent["tp"] = calls * 2 * (t - 1) / t * act
+        if not lay.tp_overlap:
+            out["tp"] = calls * _allreduce(act, t, cluster.link(lay.span("tp")))
+    if lay.cp > 1:
+        link = cluster.link(lay.span("cp"))
+        kv = 2 * e * b * s * spec.kv_width / min(t, spec.n_kv_head)
+        passes = (lay.cp - 1) * (1 + 2 + (1 if lay.recompute != "none" else 0))
+        sent["cp"] = m * layers * passes * kv
+        hidden = 0.0 if cpu else comp["attention_forward"] * (3 + (1 if lay.recompute != "none" else 0))
+        out["cp"] = m * layers * max(0.0, passes * (kv / link.bandwidth + link.alpha) - hidden)
+    if spec.n_expert > 1 and lay.ep > 1:
+        link = cluster.link(lay.span("ep"))
+        calls = m * layers * (4 + (2 if lay.recompute == "full" else 0))
+        per = act * spec.top_k * (lay.ep - 1) / lay.ep
+        sent["ep"] = calls * per
+        out["ep"] = calls * (per / link.bandwidth + (lay.ep - 1) * link.alpha)
+    if lay.pp > 1:
+        link = cluster.link(lay.span("pp"))
+        boundary = act / (t if lay.sp else 1)
+        sent["pp"] = 2 * lay.v * m * boundary
+        out["pp"] = 2 * lay.v * m * (boundary / link.bandwidth + link.alpha)
+    n = lay.dp * lay.cp
+    if n > 1:
+        out["data"], sent["data"] = _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu)
+    for dim, count in rounds.items():
+        out[dim] += count * cluster.sync
+    return out, sent
+
+
+def _rounds(spec, lay, m: int, layers: int) -> dict[str, float]:
+    """Blocking collectives per step of each dimension on a rank (the CPU machine pays
+    ``Cluster.sync`` on each when ranks outnumber cores): tensor parallelism's two per layer
+    each way (four apiece as all-gather/reduce-scatter pairs under sequence parallelism, and
+    the forward's again under full recomputation) and six for the vocabulary-parallel
+    embedding, head and loss; ring attention's c - 1 passes forward and backward (and forward
+    again when the core is recomputed); a pipeline transfer per chunk each way; the gradient
+    reduction (one flat all-reduce, or a reduce-scatter and an all-gather per unit, ZeRO-3's
+    2m gathers per unit)."""
+    per = 2 if lay.sp else 1
+    out = {"tp": m * (layers * per * (4 + (2 if lay.recompute == "full" else 0)) + 6) if lay.tp > 1 else 0,
+           "cp": m * layers * (lay.cp - 1) * (2 + (1 if lay.recompute != "none" else 0)),
+           "pp": 2 * lay.v * m if lay.pp > 1 else 0,
+           "ep": m * layers * 4 if spec.n_expert > 1 and lay.ep > 1 else 0}
+    if lay.dp * lay.cp > 1:
+        units = layers + 1
+        out["data"] = {0: 1, 1: 2 * units, 2: 2 * units}.get(lay.zero, units * (2 * m + 1))
+    return out
+
+
+def _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu) -> tuple[float, float]:
+    """(exposed seconds, bytes sent) of the gradient reduction over the data ranks."""
+    w, g, _ = BYTES[lay.precision]
+    link = cluster.link(lay.span("data"))
+    dense, experts = rank_params(spec, lay, pp_rank)
+    groups = [(dense, n)] + ([(experts, n // lay.ep)] if experts and n // lay.ep > 1 else [])
+    f, bwd = comp["forward"], comp["backward"] + comp["recompute"]
+    exposed = sent = 0.0
+    for psi, k in groups:
+        ring = (k - 1) / k
+        if lay.zero == 0:
+            reduce, gather = _allreduce(g * psi, k, link), 0.0
+            sent += 2 * ring * g * psi
+        else:
+            reduce, gather = _gather(g * psi, k, link), _gather(w * psi, k, link)
+            reduces = m if lay.zero >= 2 else 1
+            sent += ring * psi * (g * reduces + w * (2 * m if lay.zero == 3 else 1))
+        if cpu:
+            exposed += reduce + gather * (2 * m if lay.zero == 3 else 1)
+        elif lay.zero == 3:
+            exposed += m * (max(0.0, gather - f) + max(0.0, gather - bwd) + max(0.0, reduce - bwd))
+        elif lay.zero == 2:
+            exposed += m * max(0.0, reduce - bwd) + max(0.0, gather - f)
+        else:
+            exposed += max(0.0, reduce - bwd) + max(0.0, gather - f)
+    return exposed, sent
+
+
+def bubble_fraction(lay, m: int) -> float:
+    """Idle share of a pipelined step (module docstring)."""
+    if lay.pp == 1:
+        return 0.0
+    third = 1.0 / 3  # t_F = t_B = t_W: forward, input gradient, weight gradient alike
+    closed = bubble(lay.schedule, lay.pp, m, lay.v, third, third, third)
+    if closed is not None:
+        return closed
+    return simulated_bubble(lay.schedule, lay.pp, m, lay.v, third, third, third)
+
+
+def optimizer_time(spec, cluster, lay, pp_rank: int) -> float:
+    dense, experts = rank_params(spec, lay, pp_rank)
+    n = lay.dp * lay.cp
+    shard = dense / (n if lay.zero else 1) + experts / (max(n // lay.ep, 1) if lay.zero else 1)
+    return 28 * shard / cluster.hbm

@@ -1,0 +1,45 @@
+"""The planner against what it can be checked against: published runs at scale (each row's own
+metric and FLOPs convention) and a run on this machine (memory and bytes to the byte)."""
+from __future__ import annotations
+
+import pytest
+
+import dlab
+from dlab.bench.nd import BATCH, MODEL
+from dlab.bench.plan import predict
+from dlab.plan import clusters, published
+
+
+def test_published_rows_come_from_three_sources_and_are_predicted_within_15_percent():
+    results = published.check()
+    assert len(results) >= 10
+    assert len({r["source"] for r in results}) >= 3
+    assert all("table" in r["source"] for r in results)
+    assert published.mean_abs_error(results) <= 0.15
+    assert max(abs(r["throughput_error"]) for r in results) < 0.5
+
+
+def test_each_row_predicts_the_papers_own_metric():
+    row = next(r for r in published.ROWS if r.metric == "tflops_per_gpu" and r.convention == "megatron")
+    m, b, s = row.model, row.global_batch, row.seq_len
+    # Narayanan et al. eq. 3, written out: 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per iteration
+    h, layers = m.d_model, m.n_layer
+    flops = 96 * b * s * layers * h * h * (1 + s / (6 * h) + m.vocab / (16 * layers * h))
+    assert row.predicted(10.0) == pytest.approx(flops / 10.0 / row.gpus / 1e12)
+    timed = next(r for r in published.ROWS if r.metric == "iteration_s")
+    assert timed.predicted(12.5) == 12.5
+
+
+def test_a_run_here_holds_what_the_plan_says_to_the_byte(tmp_path):
+    options = {"dp": 2, "zero": 1, "pp": 2}
+    run = dlab.launch("nd", 4, runs_dir=tmp_path, wait=True, model_options=MODEL, options=options,
+                      batch_size=BATCH, steps=2)
+    machine = clusters.this_machine(peak=1e10, ranks=4)
+    pred = predict(options, machine)
+    state = max(sum(m["memory"][k] for k in ("parameters", "gradients", "optimizer"))
+                for m in (run.metrics(r)[-1] for r in range(4)))
+    sent = max(run.metrics(r)[-1]["comm"]["sent_bytes"] for r in range(4))
+    act = max(run.metrics(r)[-1]["memory"]["activations"] for r in range(4))
+    assert pred["state_plan_MB"] * 1e6 == pytest.approx(state, abs=1)
+    assert pred["sent_plan_MB"] * 1e6 == pytest.approx(sent, abs=1)
+    assert pred["act_plan_MB"] * 1e6 == pytest.approx(act, rel=0.02)
