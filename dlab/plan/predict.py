@@ -73,16 +73,10 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
                     for r in range(lay.pp)), key=lambda d: d["total"])
         sent.pop("total")
     frac = bubble_fraction(lay, m)
-    bubble = work * frac / (1 - frac)
-    if cluster.cores and lay.world > cluster.cores:
-        # The OS is work-conserving: a rank idle in the bubble gives its core to a busy one, so
-        # compute and bubble together take the longer of every rank's work over the cores
-        # (``work``, at an even share) and one rank's critical path at a whole core's speed.
-        bubble = max(0.0, work * cluster.cores / lay.world / (1 - frac) - work)
     parts = {"compute": m * (comp["forward"] + comp["backward"]),
              "recompute": m * comp["recompute"],
              **{f"{k}_comm": v for k, v in comm.items()},
-             "bubble": bubble,
+             "bubble": work * frac / (1 - frac),
              "optimizer": tm.optimizer_time(spec, cluster, lay, pp_rank)}
     parts["total"] = sum(parts.values())
     mem = memory(spec, lay, global_batch, seq_len)

@@ -30,11 +30,9 @@ all-gather or reduce-scatter, plus alpha per ring step. What is assumed hidden:
 
 Bubble: the schedule's idle fraction (``estimate.pipeline.bubble``, the zero-bubble forms with
 the input and weight gradients half of backward each; the simulation where no closed form
-applies), applied to the slowest pipeline rank's work. On a CPU with more ranks than cores an
-idle rank gives its core to a busy one, so the bubble costs only what one rank's critical path
-at a whole core's speed exceeds all ranks' work shared over the cores (``predict.plan``).
-Optimizer: Adam reads and writes its shard's state (28 bytes per parameter: gradient, master
-weight, two moments, the 16-bit copy) at HBM speed.
+applies), applied to the slowest pipeline rank's work. Optimizer: Adam reads and writes its
+shard's state (28 bytes per parameter: gradient, master weight, two moments, the 16-bit copy)
+at HBM speed.
 """
 from __future__ import annotations
 
