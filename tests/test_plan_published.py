@@ -30,6 +30,19 @@ def test_each_row_predicts_the_papers_own_metric():
     assert timed.predicted(12.5) == 12.5
 
 
+def test_korthikanti_iteration_times_agree_with_the_mfu_they_report():
+    """A typo guard from an independent figure: the paper's (and Megatron-LM's README's) MFU of
+    each present-work run, from its model FLOPs 72 B s l h^2 (1 + s/6h + V/12lh), its time and
+    N x 312 TFLOP/s."""
+    rows = [r for r in published.ROWS if "mfu" in r.extra]
+    assert len(rows) == 4
+    for r in rows:
+        m, b, s = r.model, r.global_batch, r.seq_len
+        h, layers = m.d_model, m.n_layer
+        flops = 72 * b * s * layers * h * h * (1 + s / (6 * h) + m.vocab / (12 * layers * h))
+        assert flops / (r.value * r.gpus * 312e12) == pytest.approx(r.extra["mfu"], abs=0.002), m.name
+
+
 def test_a_run_here_holds_what_the_plan_says_to_the_byte(tmp_path):
     options = {"dp": 2, "zero": 1, "pp": 2}
     run = dlab.launch("nd", 4, runs_dir=tmp_path, wait=True, model_options=MODEL, options=options,

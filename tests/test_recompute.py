@@ -2,8 +2,8 @@
 
 - it changes nothing but memory and FLOPs: every mode gives the same loss and gradients in one
   process (GPT and MoE GPT), and every strategy that runs the GPT trains like ``single`` without
-  recomputation (tp with sequence parallelism, pipeline-1f1b and ep by default; zero3, ddp
-  and more under slow);
+  recomputation (pipeline-1f1b and ep by default, tp with sequence parallelism through nd's
+  case in tests/test_nd_parity.py; tp, zero3, ddp and more under slow);
 - ``ActivationMeter`` counts what it keeps, equal to the byte to the count derived from the code
   (``dlab.estimate.activations``); full recompute keeps exactly the blocks' inputs;
 - ``hardware_flops_per_token`` adds exactly the recomputed forwards, as ``FlopCounterMode``
@@ -242,11 +242,11 @@ TP_SP = {"tp": 2, "sequence_parallel": True}
 slow = pytest.mark.slow
 
 CASES = [  # (strategy, options, base config, recompute, recompute_every)
-    ("tp", TP_SP, GPT, "full", 1),
     ("pipeline-1f1b", {}, GPT, "full", 1),
     ("ep", {}, MOE, "full", 1),
     # slow where another default case runs the same path: nd's ZeRO-3 x TP+SP full recompute
-    # (tests/test_nd_parity.py), the tp case above for selective
+    # (tests/test_nd_parity.py) trains the tensor-parallel GPT recomputed, as tp does
+    pytest.param("tp", TP_SP, GPT, "full", 1, marks=slow),
     pytest.param("tp", TP_SP, GPT, "selective", 1, marks=slow),
     pytest.param("zero3", {}, GPT, "full", 1, marks=slow),
     pytest.param("ddp", {"bucket_cap_mb": 0.05}, GPT, "full", 1, marks=slow),

@@ -37,7 +37,8 @@ def step_wire(run, rank: int) -> list[tuple[int, int]]:
     pytest.param("zero2", 2, "ring", marks=pytest.mark.slow),
     pytest.param("zero2", 4, "ring", marks=pytest.mark.slow),
     ("zero3", 2, "ring"), pytest.param("zero3", 4, "ring", marks=pytest.mark.slow),
-    pytest.param("zero2", 4, "backend", marks=pytest.mark.slow), ("zero3", 2, "backend"),
+    pytest.param("zero2", 4, "backend", marks=pytest.mark.slow),
+    pytest.param("zero3", 2, "backend", marks=pytest.mark.slow),  # the default: tests/test_zero.py
 ])
 def test_zero_reduce_scatter_option(strategy, n, algorithm, runs_dir, reference):
     run = dlab.launch(strategy, n, runs_dir=runs_dir, wait=True, save_final=True,

@@ -48,7 +48,9 @@ def check_formulas(run, strategy: str, n: int, mixed: bool = False, offload: boo
 
 
 @pytest.mark.parametrize("strategy,n,options", [
-    ("zero1", 2, {}), ("zero1", 4, {}), ("zero2", 2, {}), ("zero2", 4, {}),
+    # each stage at 2 or 4 ranks by default, the other world size in make test-slow
+    ("zero1", 2, {}), pytest.param("zero1", 4, {}, marks=pytest.mark.slow),
+    pytest.param("zero2", 2, {}, marks=pytest.mark.slow), ("zero2", 4, {}),
     ("zero3", 2, {}), ("zero3", 4, {}), ("zero3", 4, {"prefetch": False}),
 ])
 def test_stage_matches_single_and_its_formulas(strategy, n, options, runs_dir, reference):
