@@ -45,6 +45,7 @@ from torch import nn
 from dlab import checkpoint
 from dlab.comm.instrumented import reduce_scatter_option
 from dlab.data import shard
+from dlab.host_copies import host_copies_done, pinned, to_host
 from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import FlatUnit, build_units
@@ -164,7 +165,7 @@ class ZeroStrategy(Strategy):
             # The compute-precision shard: a view of the full buffer (stages 1-2, which keep
             # the replica), or a tensor of its own (stage 3, which frees the replica).
             u.shard = u.flat[u.owned].clone() if self.shard_storage else u.flat[u.owned]
-            u.master = nn.Parameter(u.initial_shard.to(self.opt_device) if self.separate_master
+            u.master = nn.Parameter(self._master_copy(u.initial_shard) if self.separate_master
                                     else u.shard)
             del u.initial_shard
             u.grad_shard = None
@@ -202,20 +203,34 @@ class ZeroStrategy(Strategy):
     def after_step(self) -> None:
         pass
 
+    def _master_copy(self, initial: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of a chunk: on the GPU beside the model, or, offloaded from a GPU,
+        in pinned host memory so the copy back after each step does not block the host."""
+        if self.offload:
+            return pinned(initial.float(), self.ctx.device)
+        return initial.to(self.opt_device, torch.float32, copy=True)
+
     def optimizer_step(self) -> None:
         """Adam on the owned chunks only. The master's gradient is the reduced shard itself
         where dtypes and devices agree (fp32, no offload); otherwise an fp32 copy on the
-        optimizer's device that lives for the step (counted as a transient buffer)."""
+        optimizer's device that lives for the step (counted as a transient buffer). Offloaded
+        from a GPU, every unit's copy is enqueued into pinned memory first and waited for once
+        (``dlab.host_copies``), and the updated chunks go back without a wait: the next forward
+        runs on the same stream, after them."""
         for u in self.units:
-            if self.separate_master:
+            if not self.separate_master:
+                u.master.grad = u.grad_shard
+            elif self.offload:
+                u.master.grad = self.transient.held("master_grad", to_host(u.grad_shard, torch.float32))
+            else:
                 u.master.grad = self.transient.held(
                     "master_grad", u.grad_shard.to(self.opt_device, torch.float32, copy=True))
-            else:
-                u.master.grad = u.grad_shard
+        if self.offload:
+            host_copies_done(self.ctx.device)
         self.optimizer.step()
         for u in self.units:
-            if self.separate_master:
-                u.shard.copy_(u.master.detach())  # cast to bf16 / move back to the device
+            if self.separate_master:  # cast to bf16 / move back to the device
+                u.shard.copy_(u.master.detach(), non_blocking=self.offload)
             u.master.grad = None
 
     # --- collectives with timeline events -----------------------------------------------------
