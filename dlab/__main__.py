@@ -74,6 +74,7 @@ def _bench(args) -> int:
 def _check(args) -> int:
     from dlab.check import main as check
     return check([*(["--quick"] if args.quick else []), *(["--json", args.json] if args.json else []),
+                  *(["--strategies", args.strategies] if args.strategies else []),
                   "--runs-dir", args.runs_dir])
 
 
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--quick", action="store_true", help="one strategy per family, 2 ranks")
     c.add_argument("--json", help="write the rows to this file")
     c.add_argument("--runs-dir", default="runs/check")
+    c.add_argument("--strategies", help="comma-separated strategies to check instead (e.g. ddp,zero3)")
     c.set_defaults(func=_check)
     e = sub.add_parser("env", help="backends, devices, versions and the CPU's matmul peak")
     e.add_argument("--json", action="store_true")

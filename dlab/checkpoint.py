@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm import wire
+from dlab.host_copies import host_copies_done, to_host
 
 FORMAT = "dlab-checkpoint/2"
 
@@ -68,10 +69,14 @@ def run_meta(config) -> dict:
 # --- pieces -----------------------------------------------------------------------------------
 
 def piece(tensor: torch.Tensor, start: int = 0, shape: tuple | None = None) -> dict:
-    """A 1-D run of a tensor's flattened elements (the whole tensor by default), on the CPU."""
+    """A 1-D run of a tensor's flattened elements (the whole tensor by default), copied to the
+    host (from a GPU through pinned memory, landed before it is returned), so a checkpoint
+    holds CPU tensors wherever it was written and loads on a machine without a GPU."""
     flat = tensor.detach().reshape(-1)
+    data = to_host(flat)
+    host_copies_done(flat.device)
     return {"shape": list(shape if shape is not None else tensor.shape), "start": int(start),
-            "data": flat.to("cpu", copy=True)}
+            "data": data}
 
 
 def _sha256(path: Path) -> str:
@@ -101,8 +106,10 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, rank: int, world_size: int, kind: str = "sharded",
-                 keep: int = 2, asynchronous: bool = False, meta: dict | None = None):
+                 keep: int = 2, asynchronous: bool = False, meta: dict | None = None,
+                 device: torch.device | None = None):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
+        self.device = device or torch.device("cpu")
         self.kind, self.keep, self.asynchronous = kind, keep, asynchronous
         self.meta = meta or {}
         self._thread: threading.Thread | None = None
@@ -114,6 +121,8 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         state = strategy.checkpoint_state()
         state.update(step=step, rank=self.rank, rng=torch.get_rng_state())
+        if self.device.type == "cuda":  # dropout and sampling on the GPU draw from its own generator
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         writers = [0] if strategy.replicated else list(range(self.world_size))
         if self.kind == "full" and not strategy.replicated:
             gathered = [None] * self.world_size
@@ -310,7 +319,8 @@ class Reader:
             if _sha256(file) != info["sha256"]:
                 raise CorruptCheckpoint(f"{file}: SHA-256 does not match the manifest; the file is "
                                         f"corrupt; refusing to load it")
-            self.states[name] = torch.load(file, weights_only=True)
+            # map_location: a file from an older writer may hold device tensors
+            self.states[name] = torch.load(file, weights_only=True, map_location="cpu")
         self.step = self.manifest["step"]
 
     def _pieces(self, section: str, name: str, key: str | None) -> list:
@@ -344,11 +354,14 @@ class Reader:
     def hparams(self) -> list[dict]:
         return next(iter(self.states.values()))["hparams"]
 
-    def rng(self, rank: int) -> torch.Tensor:
+    def rng(self, rank: int, generator: str = "rng") -> torch.Tensor | None:
+        """Rank ``rank``'s saved state of the CPU generator (``"rng"``) or of its GPU's
+        (``"cuda_rng"``, None when it was written on the CPU); a rank the checkpoint has no file
+        of (a replicated run writes rank 0's only) gets the first file's."""
         for s in self.states.values():
             if s["rank"] == rank:
-                return s["rng"]
-        return next(iter(self.states.values()))["rng"]
+                return s.get(generator)
+        return next(iter(self.states.values())).get(generator)
 
 
 # --- the state of a whole-model replica (single, torch-ddp, dlab's data parallelism) ----------
@@ -360,7 +373,7 @@ def replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     sd = optimizer.state_dict()
     optim = {}
     for i, name in enumerate(names):
-        optim[name] = {k: (piece(v) if v.dim() else v.detach().clone())
+        optim[name] = {k: (piece(v) if v.dim() else v.detach().to("cpu", copy=True))
                        for k, v in sd["state"].get(i, {}).items()}
     return {"params": {n: piece(p) for n, p in model.named_parameters()}, "optim": optim,
             "hparams": [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]}

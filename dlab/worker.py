@@ -177,7 +177,7 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
     if cfg.checkpoint_every:
         checkpointer = Checkpointer(writer.run / "checkpoints", rank, world, cfg.checkpoint_kind,
                                     cfg.keep_checkpoints, cfg.checkpoint_async,
-                                    meta=checkpoint_meta(cfg))
+                                    meta=checkpoint_meta(cfg), device=device)
     dist.barrier()
     t0_wall = timeline.align()
     if attempt or state["step"]:
@@ -214,6 +214,9 @@ def _resume(cfg, run: RunDir, strategy, rank: int, attempt: int) -> int:
     reader = checkpoint.Reader(path)
     strategy.load_checkpoint_state(reader)
     torch.set_rng_state(reader.rng(rank))
+    cuda_rng = reader.rng(rank, "cuda_rng")
+    if cuda_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_rng, torch.cuda.current_device())
     return reader.step
 
 

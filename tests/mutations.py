@@ -38,6 +38,8 @@ class Mutation:
     tests: tuple[str, ...]
 
 
+FLATTEN = "        flat_grad = self.transient.held(\"reduce\", u.flatten_grads())\n"
+
 MUTATIONS = [
     Mutation(
         "mp-zero-missing-div",
@@ -92,6 +94,22 @@ MUTATIONS = [
           "            \"data\": flat.to(\"cpu\")}"),),
         ("tests/test_checkpoint.py::test_async_and_full_checkpoints_resume_the_same",
          "tests/test_checkpoint.py::test_an_async_save_holds_the_values_of_the_step_it_was_called_at"),
+    ),
+    Mutation(
+        "zero-grads-early",
+        "zero2/3: a unit's gradients are flattened before the previous unit's buffer is freed",
+        "dlab/parallel/zero/stage2.py",
+        (("        self._wait_in_flight()\n" + FLATTEN, FLATTEN + "        self._wait_in_flight()\n"),),
+        ("tests/test_zero.py::test_stage_matches_single_and_its_formulas[zero2-4-options3]",),
+    ),
+    Mutation(
+        "zero-grads-kept",
+        "zero2/3: a reduced unit's flattened gradient is kept, not freed (what a booked "
+        "release would still call freed)",
+        "dlab/parallel/zero/stage2.py",
+        (("            self.transient.free(flat_grad)\n",
+          "            self.__dict__.setdefault(\"kept\", []).append(flat_grad)\n"),),
+        ("tests/test_zero.py::test_stage_matches_single_and_its_formulas[zero2-4-options3]",),
     ),
     Mutation(
         "recv-not-posted",

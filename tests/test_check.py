@@ -32,18 +32,40 @@ def test_compare_sees_a_changed_parameter_a_missing_one_and_a_missing_step():
     assert check.compare(state, state, [1.0], [1.0, 0.5])["loss_diff"] == float("inf")
 
 
-@pytest.mark.slow  # seven strategies launched in turn; each has its own parity test by default
-def test_check_quick_passes_on_this_machine(tmp_path):
+def test_failures_are_told_apart_from_what_gloo_cannot_do_on_cuda():
+    gloo_cuda, nccl = check.Case("zero2", 2, "gloo", "cuda"), check.Case("zero2", 1, "nccl", "cuda")
+    missing = RuntimeError("rank 0 of 2 failed: RuntimeError: unsupported device type cuda\n...")
+    assert check.failure(gloo_cuda, missing)["result"] == "skipped"
+    assert "unsupported device type" in check.failure(gloo_cuda, missing)["why"]
+    assert check.failure(nccl, missing)["result"] == "FAIL"  # NCCL supports every op: a real failure
+    assert check.failure(gloo_cuda, RuntimeError("loss is nan"))["result"] == "FAIL"
+
+
+def test_unknown_strategies_are_refused_before_any_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dlab", "check", "--strategies", "ddp,zeroo",
+                           "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "zeroo not checkable" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("strategies", [
+    # by default the command itself, end to end, on one strategy (about 30 s)
+    ("ddp",),
+    # every family (about 140 s); each has its own parity test in the default run
+    pytest.param(check.QUICK, marks=pytest.mark.slow),
+])
+def test_check_quick_passes_on_this_machine(strategies, tmp_path):
     out = tmp_path / "check.json"
     proc = subprocess.run([sys.executable, "-m", "dlab", "check", "--quick", "--json", str(out),
-                           "--runs-dir", str(tmp_path / "runs")],
+                           "--runs-dir", str(tmp_path / "runs"), "--strategies", ",".join(strategies)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     if not torch.cuda.is_available():
         assert report["machine"].startswith("no GPU found")
     rows = report["strategies"]
-    assert {r["strategy"] for r in rows} == set(check.QUICK)
+    assert {r["strategy"] for r in rows} == set(strategies)
     assert all(r["result"] == "ok" for r in rows), rows
     for r in rows:  # dlab's accounting against the independent formula, where there is one
         if r["formula_bytes"] is not None:

@@ -27,13 +27,16 @@ stage-specific ones (``prefetch`` for stage 3).
 Memory, counted from the tensors held when ``memory()`` is called (after the step):
 ``parameters`` what a rank keeps between steps (full replica in stages 1-2, shards in stage 3),
 ``gradients`` likewise, ``optimizer`` masters (mixed precision) and Adam state, ``activations``
-the peak of saved tensors, ``comm_buffers`` the peak during the step of transient buffers
-(``gathered_peak`` and ``reduce_peak``, extra keys, are its two main parts on their own):
+the peak of saved tensors, ``comm_buffers`` the peak during the step of transient buffers,
+read from their storages (``Transient``; ``gathered_peak`` and ``reduce_peak``, extra keys, are
+its two main parts on their own):
 gathered units (stage 3), flattened gradients being reduced, send copies for all-gathers, and
 the fp32 gradient copies handed to the optimizer. ``padding`` (extra key) is the padded
 elements' bytes included in the model-state categories.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,7 @@ from torch import nn
 from dlab import checkpoint
 from dlab.comm.instrumented import reduce_scatter_option
 from dlab.data import shard
+from dlab.host_copies import host_copies_done, pinned, to_host
 from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import FlatUnit, build_units
@@ -53,34 +57,52 @@ BOOL_OPTIONS = {
 
 
 class Transient:
-    """Bytes of buffers that live only during a step, keyed ``(kind, unit)``, and their peak,
-    in all and per kind (``unit``: a gathered unit, ``reduce``: a flattened gradient being
-    reduced, ``send``: an all-gather's send copy, ``master_grad``: the optimizer's fp32 copy)."""
+    """Buffers that live only during a step, counted from their storages rather than booked.
+
+    Each buffer is registered once it is allocated (``held(kind, tensor)``; kinds: ``unit`` a
+    gathered unit, ``reduce`` a flattened gradient being reduced, ``send`` an all-gather's send
+    copy, ``master_grad`` the optimizer's fp32 gradient copy) and only weakly referenced, so it
+    counts exactly as long as its storage exists and has bytes, whoever keeps it. A buffer a
+    collective used is returned with ``free`` (its storage resized to 0, as FSDP frees a
+    gathered unit) as soon as the collective is waited for: Gloo's worker thread lets go of
+    its own reference a moment after the wait returns, so a buffer left to its last reference
+    would count or not by a race. The bytes alive are read at every registration; they grow
+    only when a buffer is allocated, so the largest read is the step's peak, in all and per
+    kind (each storage counted once)."""
 
     def __init__(self) -> None:
-        self.live: dict[tuple, int] = {}
-        self.current = self.peak = 0
-        self.by_kind: dict[str, int] = {}
+        self.buffers: dict[int, tuple[str, weakref.ref]] = {}
+        self.peak = 0
         self.kind_peak: dict[str, int] = {}
 
-    def hold(self, key: tuple, nbytes: int) -> None:
-        if key not in self.live:
-            self.live[key] = nbytes
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-            kind = key[0]
-            self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
-            self.kind_peak[kind] = max(self.kind_peak.get(kind, 0), self.by_kind[kind])
+    def held(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        self.buffers[id(tensor)] = (kind, weakref.ref(tensor))
+        self.sample()
+        return tensor
 
-    def release(self, key: tuple) -> None:
-        nbytes = self.live.pop(key, 0)
-        self.current -= nbytes
-        if nbytes:
-            self.by_kind[key[0]] -= nbytes
+    @staticmethod
+    def free(tensor: torch.Tensor) -> None:
+        tensor.untyped_storage().resize_(0)
+
+    def alive(self) -> dict[str, list[torch.Tensor]]:
+        by_kind: dict[str, list[torch.Tensor]] = {}
+        for key, (kind, ref) in list(self.buffers.items()):
+            t = ref()
+            if t is None:
+                del self.buffers[key]
+            else:
+                by_kind.setdefault(kind, []).append(t)
+        return by_kind
+
+    def sample(self) -> None:
+        by_kind = self.alive()
+        self.peak = max(self.peak, storage_bytes(t for ts in by_kind.values() for t in ts))
+        for kind, ts in by_kind.items():
+            self.kind_peak[kind] = max(self.kind_peak.get(kind, 0), storage_bytes(ts))
 
     def reset_peak(self) -> None:
-        self.peak = self.current
-        self.kind_peak = dict(self.by_kind)
+        self.peak, self.kind_peak = 0, {}
+        self.sample()
 
 
 class Pending:
@@ -143,7 +165,7 @@ class ZeroStrategy(Strategy):
             # The compute-precision shard: a view of the full buffer (stages 1-2, which keep
             # the replica), or a tensor of its own (stage 3, which frees the replica).
             u.shard = u.flat[u.owned].clone() if self.shard_storage else u.flat[u.owned]
-            u.master = nn.Parameter(u.initial_shard.to(self.opt_device) if self.separate_master
+            u.master = nn.Parameter(self._master_copy(u.initial_shard) if self.separate_master
                                     else u.shard)
             del u.initial_shard
             u.grad_shard = None
@@ -181,21 +203,34 @@ class ZeroStrategy(Strategy):
     def after_step(self) -> None:
         pass
 
+    def _master_copy(self, initial: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of a chunk: on the GPU beside the model, or, offloaded from a GPU,
+        in pinned host memory so the copy back after each step does not block the host."""
+        if self.offload:
+            return pinned(initial.float(), self.ctx.device)
+        return initial.to(self.opt_device, torch.float32, copy=True)
+
     def optimizer_step(self) -> None:
         """Adam on the owned chunks only. The master's gradient is the reduced shard itself
         where dtypes and devices agree (fp32, no offload); otherwise an fp32 copy on the
-        optimizer's device that lives for the step (counted as a transient buffer)."""
+        optimizer's device that lives for the step (counted as a transient buffer). Offloaded
+        from a GPU, every unit's copy is enqueued into pinned memory first and waited for once
+        (``dlab.host_copies``), and the updated chunks go back without a wait: the next forward
+        runs on the same stream, after them."""
         for u in self.units:
-            if self.separate_master:
-                u.master.grad = u.grad_shard.to(self.opt_device, torch.float32, copy=True)
-                self.transient.hold(("master_grad", u.name), u.master.grad.untyped_storage().nbytes())
-            else:
+            if not self.separate_master:
                 u.master.grad = u.grad_shard
+            elif self.offload:
+                u.master.grad = self.transient.held("master_grad", to_host(u.grad_shard, torch.float32))
+            else:
+                u.master.grad = self.transient.held(
+                    "master_grad", u.grad_shard.to(self.opt_device, torch.float32, copy=True))
+        if self.offload:
+            host_copies_done(self.ctx.device)
         self.optimizer.step()
         for u in self.units:
-            if self.separate_master:
-                u.shard.copy_(u.master.detach())  # cast to bf16 / move back to the device
-                self.transient.release(("master_grad", u.name))
+            if self.separate_master:  # cast to bf16 / move back to the device
+                u.shard.copy_(u.master.detach(), non_blocking=self.offload)
             u.master.grad = None
 
     # --- collectives with timeline events -----------------------------------------------------

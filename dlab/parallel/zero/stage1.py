@@ -41,15 +41,14 @@ class Zero1(ZeroStrategy):
         for u in self.units:
             # The reduce-scatter needs an output apart from its input; the result is copied
             # back into the rank's own chunk so the gradients stay one buffer per unit.
-            out = torch.empty(u.shard_numel, dtype=self.dtype, device=self.ctx.device)
-            self.transient.hold(("reduce", u.name), out.untyped_storage().nbytes())
-            u.grad_shard = out
+            u.grad_shard = self.transient.held(
+                "reduce", torch.empty(u.shard_numel, dtype=self.dtype, device=self.ctx.device))
             pending.append((u, self.reduce_scatter_async(u, u.flat_grad)))
         for u, fut in pending:
             fut.wait()
             u.flat_grad[u.owned].copy_(u.grad_shard)
+            self.transient.free(u.grad_shard)
             u.grad_shard = u.flat_grad[u.owned]
-            self.transient.release(("reduce", u.name))
 
     def after_step(self) -> None:
         gather_replicas(self)
@@ -61,9 +60,8 @@ def gather_replicas(strategy: ZeroStrategy) -> None:
     with strategy.ctx.timeline.span("param_gather"):
         pending = []
         for u in strategy.units:
-            send = u.shard.clone()
-            strategy.transient.hold(("send", u.name), send.untyped_storage().nbytes())
+            send = strategy.transient.held("send", u.shard.clone())
             pending.append((u, send, strategy.gather_async(u, send)))
-        for u, _send, fut in pending:
+        for _u, send, fut in pending:
             fut.wait()
-            strategy.transient.release(("send", u.name))
+            strategy.transient.free(send)

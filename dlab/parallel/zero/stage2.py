@@ -50,10 +50,9 @@ class GradientSharding(ZeroStrategy):
 
     def reduce_unit(self, u) -> None:
         self._wait_in_flight()
-        flat_grad = u.flatten_grads()
+        flat_grad = self.transient.held("reduce", u.flatten_grads())
         for p in u.params:
             p.grad = None
-        self.transient.hold(("reduce", u.name), flat_grad.untyped_storage().nbytes())
         self.in_flight.append((u, flat_grad, self.reduce_scatter_async(u, flat_grad)))
 
     def after_backward(self) -> None:
@@ -67,9 +66,9 @@ class GradientSharding(ZeroStrategy):
         self._start_backward()
 
     def _wait_in_flight(self) -> None:
-        for u, _flat_grad, pending in self.in_flight:
+        for _u, flat_grad, pending in self.in_flight:
             pending.wait()
-            self.transient.release(("reduce", u.name))
+            self.transient.free(flat_grad)
         self.in_flight = []
 
 

@@ -59,16 +59,12 @@ class Zero3(GradientSharding):
                 self.gathering.pop(u.name).wait()
             return
         u.allocate()
-        self.transient.hold(("unit", u.name), u.nbytes)
+        self.transient.held("unit", u.flat)
         fut = self.gather_async(u, u.shard)
         if wait:
             fut.wait()
         else:
             self.gathering[u.name] = fut
-
-    def _free(self, u) -> None:
-        u.free()
-        self.transient.release(("unit", u.name))
 
     def _prefetch(self, i: int) -> None:
         if self.prefetch and 0 <= i < len(self.blocks):
@@ -85,7 +81,7 @@ class Zero3(GradientSharding):
         self._prefetch(i + 1)
 
     def _after_block_forward(self, i: int, out) -> None:
-        self._free(self.blocks[i])
+        self.blocks[i].free()
         if getattr(out, "requires_grad", False):
             out.register_hook(lambda _grad: self._before_block_backward(i))
 
@@ -95,4 +91,4 @@ class Zero3(GradientSharding):
 
     def unit_backward_done(self, u) -> None:
         self.reduce_unit(u)
-        self._free(u)
+        u.free()
