@@ -1,6 +1,7 @@
-"""Context-parallel attention: ring and all-gather against one process's causal attention
-(outputs and the gradients of q, k and v) for both layouts at 2 and 4 ranks, the K/V bytes
-they send against ``dlab.estimate.context``, and the layouts' causal work."""
+"""Context-parallel attention: ring, all-gather and Ulysses against one process's causal
+attention (outputs and the gradients of q, k and v) for both layouts at 2 and 4 ranks, the
+K/V bytes they send against ``dlab.estimate.context`` (and, where the wire is measurable,
+Ulysses' all-to-alls on the wire against Gloo's), and the layouts' causal work."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ import dlab
 from dlab.estimate import context as est
 from dlab.parallel.context import layout
 
-B, H, T, D = 2, 2, 16, 4  # T divides into 2n chunks for n = 2 and 4
+B, H, T, D = 2, 4, 16, 4  # T divides into 2n chunks and H into n heads for n = 2 and 4
 
 
 def _attention_checks() -> dict:
@@ -19,7 +20,7 @@ def _attention_checks() -> dict:
     import torch.distributed as dist
 
     from dlab.comm.instrumented import Comm
-    from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
+    from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention, ulysses_attention
 
     comm = Comm()
     torch.manual_seed(0)
@@ -31,21 +32,27 @@ def _attention_checks() -> dict:
     for lay in layout.LAYOUTS:
         positions = [layout.positions(lay, T, r, comm.size) for r in range(comm.size)]
         mine = positions[comm.rank]
-        for name, fn in (("ring", ring_attention), ("allgather", allgather_attention)):
+        for name, fn in (("ring", ring_attention), ("allgather", allgather_attention),
+                         ("ulysses", ulysses_attention)):
             ql, kl, vl = (t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v))
             before = comm.totals().sent_bytes
+            a2a = comm.stats["all_to_all"]
+            wire0, gloo0 = a2a.wire_bytes, a2a.gloo_bytes
             yl = fn(ql, kl, vl, Ring(comm, positions))
             (yl * up[:, :, mine]).sum().backward()
             errors = {"y": yl - y[:, :, mine], "dq": ql.grad - q.grad[:, :, mine],
                       "dk": kl.grad - k.grad[:, :, mine], "dv": vl.grad - v.grad[:, :, mine]}
             out[(lay, name)] = {**{e: d.abs().max().item() for e, d in errors.items()},
                                 "sent": comm.totals().sent_bytes - before}
+            if name == "ulysses" and a2a.wire_bytes is not None:
+                out[(lay, name)].update(wire=a2a.wire_bytes - (wire0 or 0),
+                                        gloo=a2a.gloo_bytes - (gloo0 or 0))
     dist.barrier()
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_ring_and_allgather_attention_equal_full_causal_attention(world_size, runs_dir):
+def test_ring_allgather_and_ulysses_attention_equal_full_causal_attention(world_size, runs_dir):
     results = dlab.spawn(_attention_checks, world_size, runs_dir=runs_dir)
     kv = est.kv_bytes(B * H, T, D, world_size)  # K and V of one rank: (B H) rows of T/n x D
     for rank, checks in enumerate(results):
@@ -54,6 +61,8 @@ def test_ring_and_allgather_attention_equal_full_causal_attention(world_size, ru
                 assert got[what] < 1e-5, (rank, lay, name, what, got[what])
             want = est.sent_per_step(name, world_size, n_layer=1, kv=kv, param_bytes=0)
             assert got["sent"] == want, (rank, lay, name, got["sent"], want)
+            if "wire" in got:  # four all-to-alls forward and back, as Gloo sends them
+                assert got["wire"] == got["gloo"] > want, (rank, lay, got)
 
 
 def test_zigzag_balances_the_causal_work_and_contiguous_does_not():

@@ -1,4 +1,4 @@
-"""The ``cp`` strategy trains exactly like ``single`` (ring and all-gather attention, zigzag and
+"""The ``cp`` strategy trains exactly like ``single`` (ring, all-gather and Ulysses attention, zigzag and
 contiguous layouts, 2 and 4 ranks, and CP x DP), sends per step what ``dlab.estimate.context`` says, and
 refuses a configuration it cannot split before any process starts."""
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dlab.models import model_config
 
 CP_GPT = {**TINY_GPT, "model_options": {**TINY_GPT["model_options"], "seq_len": 32}}
 PARAM_BYTES = 4 * model_config("gpt", CP_GPT["model_options"]).n_params()
+# Ulysses splits the heads over the ranks: 4 heads, so that 4 ranks divide them
+HEADS4 = {**CP_GPT, "model_options": {**CP_GPT["model_options"], "n_head": 4}}
 
 
 # ring attention over the contiguous layout is slow: the same ring with other positions, and
@@ -20,14 +22,15 @@ PARAM_BYTES = 4 * model_config("gpt", CP_GPT["model_options"]).n_params()
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("attention,lay", [("ring", "zigzag"),
                                            pytest.param("ring", "contiguous", marks=pytest.mark.slow),
-                                           ("allgather", "zigzag")])
+                                           ("allgather", "zigzag"), ("ulysses", "zigzag")])
 def test_cp_trains_like_single_and_sends_the_formula_bytes(attention, lay, world_size, runs_dir,
                                                            reference):
+    cfg = HEADS4 if attention == "ulysses" else CP_GPT
     run = dlab.launch("cp", world_size, runs_dir=runs_dir, wait=True, save_final=True,
-                      options={"attention": attention, "layout": lay}, **CP_GPT)
-    assert_same_training(run, reference(**CP_GPT))
-    opts = CP_GPT["model_options"]
-    kv = est.kv_bytes(CP_GPT["batch_size"], opts["seq_len"], opts["d_model"], world_size)
+                      options={"attention": attention, "layout": lay}, **cfg)
+    assert_same_training(run, reference(**cfg))
+    opts = cfg["model_options"]
+    kv = est.kv_bytes(cfg["batch_size"], opts["seq_len"], opts["d_model"], world_size)
     want = est.sent_per_step(attention, world_size, opts["n_layer"], kv, PARAM_BYTES)
     for rank in range(world_size):
         assert losses(run, rank) == losses(run, 0)
@@ -54,5 +57,7 @@ def test_cp_refuses_what_cannot_be_split(runs_dir):
         dlab.launch("cp", 2, runs_dir=runs_dir, options={"attention": "flash"})
     with pytest.raises(ConfigError, match="option cp=3 must divide world_size=4"):
         dlab.launch("cp", 4, runs_dir=runs_dir, options={"cp": 3})
+    with pytest.raises(ConfigError, match="n_head=2 must be a multiple of cp"):
+        dlab.launch("cp", 4, runs_dir=runs_dir, options={"attention": "ulysses"}, **CP_GPT)
     with pytest.raises(ConfigError, match="use model='gpt'"):
         dlab.launch("cp", 2, runs_dir=runs_dir, model="mlp")

@@ -6,10 +6,13 @@ one layer are kv = 2 b (T/n) d * 4 bytes (fp32). Per layer and step a rank sends
     allgather   (n-1) kv  (all-gather, forward)  + (n-1) kv  (reduce-scatter of dK, dV)
     ring        (n-1) kv  (blocks, forward)      + (n-1) kv  (blocks again, backward)
                                                  +   n   kv  (dK, dV accumulators, n hops home)
+    ulysses     (n-1)/n 2 kv (Q, K, V to heads,  + (n-1)/n 2 kv (their gradients, the
+                the output back: 1.5 + 0.5 kv)                   reverse all-to-alls)
 
 and, as in data parallelism, 2 (W-1)/W P for the gradients of P parameter bytes over all W
 ranks (W = n, or n x dp under CP x DP). The ring
-sends 1.5x the all-gather's K/V bytes (asymptotically) but keeps one rank's memory at T/n.
+sends 1.5x the all-gather's K/V bytes (asymptotically) but keeps one rank's memory at T/n;
+Ulysses sends 4 (n-1)/n kv, under 4 kv at any n, where the other two grow as n kv.
 """
 from __future__ import annotations
 
@@ -24,5 +27,6 @@ def sent_per_step(attention: str, n: int, n_layer: int, kv: int, param_bytes: in
     (``n`` times the data-parallel degree; default ``n``). ``kv`` is for one rank's share of its
     replica's batch."""
     world = world or n
-    per_layer = {"allgather": 2 * (n - 1) * kv, "ring": (3 * n - 2) * kv if n > 1 else 0}[attention]
+    per_layer = {"allgather": 2 * (n - 1) * kv, "ring": (3 * n - 2) * kv if n > 1 else 0,
+                 "ulysses": 4 * (n - 1) * kv / n}[attention]
     return n_layer * per_layer + 2 * (world - 1) / world * param_bytes

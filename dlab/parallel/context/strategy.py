@@ -12,7 +12,8 @@ different tokens of the same model.
 What it buys: activation memory per rank falls as 1/n with the ring (long sequences fit), at
 the price of K/V traffic per layer, which grows with the sequence, not with the model.
 
-``options``: ``attention`` = ``"ring"`` (default) or ``"allgather"``; ``layout`` = ``"zigzag"``
+``options``: ``attention`` = ``"ring"`` (default), ``"allgather"`` or ``"ulysses"`` (all-to-all
+to a head split: cp must divide n_head); ``layout`` = ``"zigzag"``
 (default) or ``"contiguous"``; ``cp`` = the context-parallel degree (default: every rank);
 ``reduce_scatter`` = ``"backend"`` (default) or ``"ring"`` (the all-gather attention's backward
 reduce-scatter by dlab's own ring, half the bytes of Gloo's). With fewer, the ranks form
@@ -30,10 +31,10 @@ from dlab.metrics import ActivationMeter
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, WholeModel, data_parallel_problems
 from dlab.parallel.context import layout
-from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
+from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention, ulysses_attention
 from dlab.parallel.mesh import Mesh
 
-ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}
+ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 
 
 def cp_options(config) -> tuple[str, str, int]:
@@ -68,7 +69,12 @@ class ContextParallel(WholeModel):
             return [f"option cp={cp} must divide world_size={config.world_size} (cp x dp ranks)"]
         p += data_parallel_problems(config, config.world_size // cp)
         pieces = layout.chunks(lay, cp)
-        seq_len = config.model_config().seq_len
+        mc = config.model_config()
+        seq_len = mc.seq_len
+        attention = cp_options(config)[0]
+        if attention == "ulysses" and mc.n_head % cp:
+            p.append(f"attention='ulysses' gives each of the cp={cp} ranks a share of the heads: "
+                     f"n_head={mc.n_head} must be a multiple of cp (or use attention='ring')")
         if seq_len % pieces:
             p.append(f"model option seq_len={seq_len} does not cut into {pieces} equal chunks "
                      f"({lay} layout at cp={cp}); use a multiple of {pieces}")
@@ -84,7 +90,8 @@ class ContextParallel(WholeModel):
         self.positions = positions[self.mesh.rank("cp")]
         self.model = self.build_model()
         self.mesh.comm("cp").reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
-        core = functools.partial(ATTENTION[attention], ring=Ring(self.mesh.comm("cp"), positions))
+        core = functools.partial(ATTENTION[attention],
+                                 ring=Ring(self.mesh.comm("cp"), positions, ctx.timeline))
         for block in self.model.blocks:
             block.attn.core = core
         self.params = list(self.model.parameters())
