@@ -86,6 +86,12 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: the MoE model options that change training (capacity, balancing losses), and the
+#: strategies that implement them as ``single`` does (``dlab.models.moe``)
+MOE_TRAINING = ("capacity_factor", "aux_loss", "z_loss")
+MOE_TRAINING_STRATEGIES = ("single", "ep")
+
+
 @dataclass
 class RunConfig:
     strategy: str
@@ -157,6 +163,11 @@ class RunConfig:
         if (self.checkpoint_every or self.resume) and not strategy.can_checkpoint():
             return [f"strategy {self.strategy!r} cannot save checkpoints yet; "
                     f"set checkpoint_every=0 and resume=''"]
+        trained_moe = [k for k in MOE_TRAINING if self.model_options.get(k)]
+        if self.model == "moe" and trained_moe and self.strategy not in MOE_TRAINING_STRATEGIES:
+            return [f"model options {', '.join(trained_moe)} are built for "
+                    f"{' and '.join(MOE_TRAINING_STRATEGIES)} (whole-batch expert counts, losses "
+                    f"taken where every layer's router is): use one of them, or drop the options"]
         return strategy.option_problems(self) or strategy.problems(self)
 
     def field_problems(self, names=None) -> list[str]:
@@ -177,10 +188,14 @@ class RunConfig:
             kind = type(mc.__dataclass_fields__[name].default)
             if kind in (bool, str):
                 ok = isinstance(value, kind)
+            elif kind is float:
+                ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                      and math.isfinite(value))
             else:
                 ok = isinstance(value, int) and not isinstance(value, bool)
             if not ok:
-                what = {bool: "True or False", str: "a string"}.get(kind, "a whole number")
+                what = {bool: "True or False", str: "a string",
+                        float: "a finite number"}.get(kind, "a whole number")
                 p.append(f"model option {name} must be {what} (got {value!r})")
         if p:
             return p

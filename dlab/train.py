@@ -118,6 +118,7 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
             "hfu": hardware_flops_per_token * tokens / seconds / (peak * ctx.world_size),
             "memory": strategy.memory(),
             "comm": comm, "comm_by_op": comm_by_op,
+            **strategy.step_extras(),
         }
         if before_dims:
             record["comm_by_dim"] = {dim: _delta(s, before_dims[dim])

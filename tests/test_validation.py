@@ -54,7 +54,8 @@ def test_every_config_field_is_checked_before_start(name, value, tmp_path):
 
 MODEL_CASES = [(model, field, value) for model, (cls, _) in models.MODELS.items()
                for field, f in cls.__dataclass_fields__.items()
-               for value in (["x", 1.5] if f.type in ("int", int) else ["yes", 1])]
+               for value in (["x", 1.5] if f.type in ("int", int)
+                             else ["x", math.nan] if f.type in ("float", float) else ["yes", 1])]
 
 
 @pytest.mark.parametrize("model, field, value", MODEL_CASES,

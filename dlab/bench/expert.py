@@ -5,6 +5,12 @@ process holding every expert (``single``, the peer: PyTorch has no expert-parall
 its own), the all-to-all bytes a rank sent per step beside what uniform routing would send
 (``dlab.estimate.expert``: the ratio is the router's imbalance, as this rank sees it), the
 dense all-reduce bytes, and the step time beside ``single``'s.
+
+Then MoE as trained (``dlab.models.moe``), on ``ep`` with the same seed and data: the busiest
+expert's share of the routed tokens (the mean over layers, over the first and the last five
+steps) with the load-balancing loss off and on, how often the busiest expert changes, and the
+share of assignments dropped at each capacity factor. No peer: these are properties of the
+routing rule, the same in ``single``.
 """
 from __future__ import annotations
 
@@ -21,6 +27,44 @@ BATCH = 8
 
 def _per_step(run, rank: int, op: str) -> float:
     return median([m["comm_by_op"].get(op, {}).get("sent_bytes", 0.0) for m in run.metrics(rank)])
+
+
+def _busiest_share(record: dict) -> float:
+    layers = record["moe"]["routed"]
+    return sum(max(r) / sum(r) for r in layers) / len(layers)
+
+
+def _dropped_share(record: dict) -> float:
+    return (sum(map(sum, record["moe"]["dropped"])) / sum(map(sum, record["moe"]["routed"])))
+
+
+def training_rows(runs_dir: str, quick: bool) -> list[dict]:
+    """The balancing loss over steps, and dropped tokens against the capacity factor."""
+    import dlab
+
+    n, steps = (2, 12) if quick else (4, 40)
+    model = {**(QUICK_MODEL if quick else MODEL), "top_k": 1}
+    common = {"model": "moe", "batch_size": BATCH, "steps": steps, "lr": 3e-3}
+    rows = []
+    for aux in (0.0, 0.1):
+        run = dlab.launch("ep", n, runs_dir=runs_dir, wait=True,
+                          model_options={**model, "aux_loss": aux}, **common)
+        shares = [sum(_busiest_share(run.metrics(r)[s]) for r in range(n)) / n for s in range(steps)]
+        # which expert is the busiest in the first layer, step by step (over the whole batch)
+        busiest = [max(range(model["n_expert"]), key=lambda e, s=s: sum(
+            run.metrics(r)[s]["moe"]["routed"][0][e] for r in range(n))) for s in range(steps)]
+        rows.append({"strategy": "ep", "ranks": n, "top_k": 1, "aux_loss": aux,
+                     "metric": "busiest expert share", "first_5_steps": median(shares[:5]),
+                     "last_5_steps": median(shares[-5:]), "uniform": 1 / model["n_expert"],
+                     "busiest_changes": sum(a != b for a, b in zip(busiest, busiest[1:]))})
+    for factor in (1.0, 1.25, 2.0):
+        run = dlab.launch("ep", n, runs_dir=runs_dir, wait=True,
+                          model_options={**model, "capacity_factor": factor}, **{**common, "steps": 5})
+        dropped = median([sum(_dropped_share(run.metrics(r)[s]) for r in range(n)) / n
+                          for s in range(5)])
+        rows.append({"strategy": "ep", "ranks": n, "top_k": 1, "capacity_factor": factor,
+                     "metric": "dropped share", "dropped": dropped})
+    return rows
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -48,4 +92,5 @@ def run(quick: bool = False) -> list[dict]:
                                      **what, metric="parameter_bytes"))
                 rows.append(compared(median([m["step_time"] for m in run.metrics(0)[1:]]), base_s,
                                      **what, metric="step_s"))
+        rows += training_rows(runs_dir, quick)
     return rows

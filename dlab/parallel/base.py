@@ -87,6 +87,13 @@ class Strategy:
         """Bytes held by this rank, by category (dlab.metrics.CATEGORIES)."""
         raise NotImplementedError
 
+    def step_extras(self) -> dict:
+        """Figures of the step beyond the standard record: the routing of the model's MoE
+        layers on this rank (``models.moe.moe_stats``), where it has them."""
+        from dlab.models.moe import moe_stats
+        model = getattr(self, "model", None)
+        return moe_stats(model) if isinstance(model, torch.nn.Module) else {}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every model parameter at full size, on every rank (a collective for sharded
         strategies): what parity tests and full checkpoints compare."""

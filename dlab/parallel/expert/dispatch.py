@@ -59,6 +59,8 @@ class ExpertParallelCombine:
         comm, n = self.comm, self.comm.size
         token = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(experts.shape[1])
         expert, weight = experts.reshape(-1), weights.reshape(-1)
+        kept = expert >= 0  # -1: dropped over an expert's capacity (``moe.drop_over_capacity``)
+        token, expert, weight = token[kept], expert[kept], weight[kept]
         order = torch.argsort(expert, stable=True)
         token, expert, weight = token[order], expert[order], weight[order]
         send = torch.bincount(expert // self.per_rank, minlength=n)

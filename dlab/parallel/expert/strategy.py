@@ -59,12 +59,18 @@ class ExpertParallel(Strategy):
             moe.first_expert = min(local)
             combine = ExpertParallelCombine(ctx.comm, local, n_expert)
             moe.combine = combine
+            moe.sum_counts = self._sum_counts
             self.combines.append(combine)
         expert_ids = {id(p) for block in self.model.blocks for p in block.mlp.experts.parameters()}
         self.params = list(self.model.parameters())
         self.dense = [p for p in self.params if id(p) not in expert_ids]
         self.optimizer = self.build_optimizer(self.params)
         self.meter = ActivationMeter(self.params)
+
+    def _sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """The balancing loss's per-expert counts over the whole batch (E numbers per layer)."""
+        self.ctx.comm.all_reduce(counts)
+        return counts
 
     def step(self, batch):
         tl, comm = self.ctx.timeline, self.ctx.comm
