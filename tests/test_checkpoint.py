@@ -40,6 +40,7 @@ def test_killed_rank_resumes_bitwise_identical(strategy, runs_dir):
     assert ({"rank0.pt", "rank1.pt"} <= files) == (strategy == "zero3"), files
 
 
+@pytest.mark.slow  # the default run resumes from an async checkpoint in test_stragglers_preemption
 def test_async_and_full_checkpoints_resume_the_same(runs_dir):
     """A run resumed from an asynchronous checkpoint (written by a thread while training went
     on) and one resumed from a full checkpoint both take the remaining steps exactly as the
