@@ -140,7 +140,8 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
         comm, comm_by_op = _comm_record(strategy, before, _comm_totals(strategy),
                                         None if wire_start is None else wire_end - wire_start)
         record = {
-            "step": step, "rank": ctx.rank, "attempt": attempt, "time": ctx.timeline.now(),
+            "step": step, "rank": ctx.rank, "world_size": ctx.world_size, "attempt": attempt,
+            "time": ctx.timeline.now(),
             "loss": loss, "step_time": seconds,
             "busy_s": busy, "idle_s": max(0.0, seconds - busy),
             "tokens": tokens, "tokens_per_s": tokens / seconds,

@@ -78,6 +78,9 @@ def parse(argv: list[str] | None):
     p.add_argument("--run-dir", help="run directory (default: runs/<slurm job or torchrun id>)")
     p.add_argument("--config", help="config.json to run (instead of the flags)")
     p.add_argument("--call", help="module:function to call on every rank (dlab.spawn)")
+    p.add_argument("--elastic", action="store_true",
+                   help="take the world size from torchrun (it changes when agents leave or join, "
+                        "torchrun --nnodes MIN:MAX) instead of the config's; see dlab.elastic")
     add_arguments(p, strategy_required=False)
     return p.parse_args(argv)
 
@@ -96,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     run.path.mkdir(parents=True, exist_ok=True)
     if args.config:
         cfg = RunConfig.load(args.config)
+        if args.elastic:
+            # The global batch stays the config's; each rank's share follows the world size.
+            # Every start resumes from the run's newest checkpoint: a returning agent's ranks
+            # are its first attempt, but the run goes on from where the others stopped.
+            cfg.world_size, cfg.resume = world, "latest"
     elif args.call:
         cfg = RunConfig(strategy="call", world_size=world,
                         timeout_s=args.timeout, threads_per_rank=args.threads)

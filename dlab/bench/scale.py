@@ -6,8 +6,10 @@ Rows, all at the same model and global batch on Gloo:
   beside PyTorch's DDP with the same straggler: ``ratio``), the synchronous parameter server,
   backup workers (``ps-backup``, b = 1) and the asynchronous one. ``step_s`` is rank 0's median
   step with the straggler, ``clean_s`` without it; the model beside them is the rule of each
-  design: synchronous steps take ``clean_s + DELAY`` (everyone waits), backup workers and the
-  asynchronous server ``clean_s`` (nobody waits; they pay in dropped gradients or staleness).
+  design: synchronous steps take ``clean_s + DELAY`` (everyone waits), and so do dlab's
+  asynchronous server's, which averages whole rounds (its workers run ahead on stale weights,
+  but a round still ends with the straggler's push); backup workers take ``clean_s`` (nobody
+  waits for the late rank; its gradient is dropped).
   The rule assumes a core per rank: with 4 ranks on 2 cores, the ranks that do not sleep get
   the sleeper's core meanwhile, so the synchronous steps come in under ``clean_s + DELAY``; the
   2-rank rows are the rule's fair test.
@@ -42,7 +44,7 @@ def _rank0_step_s(run) -> float:
 
 
 DESIGNS = [("ddp", {}, "sync: clean + delay"), ("ps-sync", {}, "sync: clean + delay"),
-           ("ps-backup", {"backup": 1}, "first N-1: clean"), ("ps-async", {}, "no wait: clean")]
+           ("ps-backup", {"backup": 1}, "first N-1: clean"), ("ps-async", {}, "sync rounds: clean + delay")]
 
 
 def straggler_rows(n: int, steps: int, runs_dir: str, designs=DESIGNS) -> list[dict]:
