@@ -49,6 +49,8 @@ from dlab.launch import (
     _worker_env,
     check_runs_dir,
     free_port,
+    process_tree,
+    signal_each,
 )
 from dlab.runs import JsonlTail, RunDir
 
@@ -152,16 +154,8 @@ def rehearse(strategy: str = "ddp", agents: int = 2, nproc: int = 2, *, lose_at:
 def _lose(agent: subprocess.Popen) -> None:
     """SIGKILL an agent and its ranks together: a node lost, not one told to stop (a SIGTERM
     would let the ranks checkpoint and leave in order, dlab.preemption)."""
-    try:
-        procs = [psutil.Process(agent.pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    procs = process_tree(agent)
+    signal_each(procs, "kill")
     psutil.wait_procs(procs, timeout=5)
     agent.wait(timeout=5)
 

@@ -409,31 +409,37 @@ class Run:
 
 
 def _kill_tree(proc: subprocess.Popen, grace: float) -> None:
-    try:
-        root = psutil.Process(proc.pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
+    procs = process_tree(proc)
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    for p in procs[1:]:  # ranks live in their own sessions, out of the group's reach
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
+    signal_each(procs[1:], "terminate")  # ranks live in their own sessions, out of the group's reach
     _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    signal_each(alive, "kill")
     psutil.wait_procs(alive, timeout=2)
     try:
         proc.wait(timeout=2)
     except subprocess.TimeoutExpired:
         pass
+
+
+def process_tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    """``proc`` (torchrun) first, then every process under it (its ranks)."""
+    try:
+        root = psutil.Process(proc.pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_each(procs: list[psutil.Process], how: str) -> None:
+    """``terminate`` or ``kill`` each process that is still there."""
+    for p in procs:
+        try:
+            getattr(p, how)()
+        except psutil.NoSuchProcess:
+            pass
 
 
 class _Progress:

@@ -17,7 +17,11 @@ Rows, all at the same model and global batch on Gloo:
   exit with their checkpoint written, ``restart_s`` from the resumed launch to its first step,
   and the steps lost (none: the checkpoint is of the agreed step, not the last periodic one).
 - ``elastic``: the same run preempted at 4 ranks and resumed at 2 from its checkpoint
-  (resharded on load), then at 4 again: time lost per membership change.
+  (resharded on load), then at 4 again: time lost per membership change, planned.
+- ``elastic-agents``: two torchrun agents of 2 ranks (``dlab.elastic.rehearse``), one
+  SIGKILLed mid-run and started again: ``lost_s`` from the kill to the first step at 2 ranks
+  (failure noticed, rendezvous without it, restart, resume), ``back_s`` from its return to
+  the first step at 4, and the steps trained twice.
 - compression and local SGD rows: ``dlab.bench._compression`` and ``dlab.bench._local_sgd``.
 """
 from __future__ import annotations
@@ -105,6 +109,17 @@ def preemption_rows(n: int, steps: int, runs_dir: str) -> list[dict]:
     return rows
 
 
+def elastic_agent_rows(runs_dir: str) -> list[dict]:
+    from dlab.elastic import rehearse
+    pace = {"kind": "slow", "rank": 0, "step": 0, "steps": 1000, "delay_s": DELAY}
+    e = rehearse("ddp", lose_at=4, back_after=3, runs_dir=runs_dir, steps=60, batch_size=BATCH,
+                 model="gpt", model_options=MODEL, optimizer="sgd", checkpoint_every=2, fault=pace)
+    return [{"name": "elastic-agents", "strategy": "ddp",
+             "ranks": "->".join(str(w) for w, _ in e.phases), "lost_s": e.lost_s,
+             "back_s": e.back_s, "redone_steps": e.redone_steps,
+             "final_loss": e.run.metrics(0)[-1]["loss"]}]
+
+
 def run(quick: bool = False) -> list[dict]:
     from dlab.bench import _compression, _local_sgd
     n, steps = (2, 6) if quick else (4, 12)
@@ -114,4 +129,6 @@ def run(quick: bool = False) -> list[dict]:
         if not quick:
             rows += straggler_rows(n, steps, runs_dir)
         rows += preemption_rows(n, steps, runs_dir)
+        if not quick:
+            rows += elastic_agent_rows(runs_dir)
     return rows + _compression.rows(quick) + _local_sgd.rows(quick)
