@@ -110,15 +110,18 @@ class Summary:
 
     def stragglers(self, factor: float = 1.5) -> list[str]:
         """One sentence per rank whose own work per step is over ``factor`` times the median of
-        the other ranks' while they wait: the rank synchronous training is held back by."""
+        the other ranks' and whose extra work accounts for at least half of what the others
+        wait: the rank synchronous training is held back by. (The second condition keeps out a
+        rank that merely has more to do, such as a parameter server's optimizer step, while it
+        waits as long as everyone else.)"""
         busy = {r["rank"]: r["busy_s_per_step"] for r in self.rows if r.get("busy_s_per_step")}
         idle = {r["rank"]: r["idle_s_per_step"] for r in self.rows if r.get("busy_s_per_step")}
         out = []
         for rank, b in busy.items():
             others = [v for r, v in busy.items() if r != rank]
             typical = _median(others) if others else b
-            if others and b > factor * typical:
-                wait = _median([idle[r] for r in busy if r != rank])
+            wait = _median([idle[r] for r in busy if r != rank]) if others else 0.0
+            if others and b > factor * typical and b - typical >= wait / 2:
                 out.append(f"rank {rank} is a straggler: busy {1e3 * b:.0f} ms/step against "
                            f"{1e3 * typical:.0f} ms on the others, who wait {1e3 * wait:.0f} "
                            f"ms/step (it waits {1e3 * idle[rank]:.0f})")
