@@ -114,6 +114,10 @@ def failure(case: Case, error: Exception) -> dict:
     unsupported = any(w in text.lower() for w in ("unsupported", "not supported", "not implemented"))
     if case.backend == "gloo" and case.device == "cuda" and unsupported:
         return {"result": "skipped", "why": f"Gloo has no CUDA version of an operation it uses: {first}"}
+    # Gloo's send/recv hand the tensor's pointer to the socket: a GPU pointer fails in writev
+    # with EFAULT (measured on an H100, torch 2.11), so point-to-point strategies need CPU tensors
+    if case.backend == "gloo" and case.device == "cuda" and "Bad address" in text:
+        return {"result": "skipped", "why": f"Gloo's send/recv move CPU memory only: {first}"}
     return {"result": "FAIL", "why": first}
 
 

@@ -12,8 +12,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dlab import models
+from dlab.faults import EXTRA_KEYS as FAULT_EXTRA_KEYS
+from dlab.faults import KINDS as FAULT_KINDS
 
-FAULT_KINDS = ("raise", "kill", "hang", "exit")
 BYTE_VOCAB = 256  # dlab.data feeds bytes: every token id is one of 256 values
 
 
@@ -108,7 +109,7 @@ class RunConfig:
     threads_per_rank: int = 1
     timeout_s: float = 60.0  # deadline for the rendezvous, every collective and every step
     options: dict = field(default_factory=dict)  # strategy-specific, see each strategy's doc
-    fault: dict | None = None  # {"rank": r, "step": s, "kind": raise|kill|hang|exit}
+    fault: dict | None = None  # {"rank": r, "step": s, "kind": ...}: dlab.faults
     save_final: bool = False  # every rank writes the full final parameters (final_state_rank{r}.pt)
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     checkpoint_kind: str = "sharded"  # sharded (a file per rank) | full (one gathered file)
@@ -245,17 +246,35 @@ class RunConfig:
             return []
         f = self.fault
         p = []
-        unknown = sorted(set(f) - {"rank", "step", "kind"}, key=str)
+        kind = f.get("kind")
+        if kind not in FAULT_KINDS:
+            p.append(f"fault kind must be one of {FAULT_KINDS} (got {kind!r})")
+        keys = ["rank", "step", "kind", *sorted(FAULT_EXTRA_KEYS.get(kind, ()))]
+        unknown = sorted(set(f) - set(keys), key=str)
         if unknown:
-            p.append(f"fault takes the keys rank, step and kind (got also {unknown})")
-        if f.get("kind") not in FAULT_KINDS:
-            p.append(f"fault kind must be one of {FAULT_KINDS} (got {f.get('kind')!r})")
+            kind_s = f"a {kind!r} " if kind in FAULT_EXTRA_KEYS else ""
+            p.append(f"{kind_s}fault takes the keys {', '.join(keys[:-1])} and {keys[-1]} "
+                     f"(got also {unknown})")
         rank = f.get("rank", 0)
         if not _whole(rank) or not 0 <= rank < max(self.world_size, 1):
             p.append(f"fault rank {rank!r} is not a rank of this run (0..{self.world_size - 1})")
         step = f.get("step", 0)
         if not _whole(step) or not 0 <= step < max(self.steps, 1):
             p.append(f"fault step {step!r} is outside the run's steps (0..{self.steps - 1})")
+        if kind == "slow":
+            delay = f.get("delay_s")
+            number = isinstance(delay, (int, float)) and not isinstance(delay, bool)
+            if not number or not 0 < delay < self.timeout_s:
+                p.append(f"a 'slow' fault needs delay_s, seconds of delay per step, above 0 and "
+                         f"below timeout_s={self.timeout_s:g} (got {delay!r}), e.g. "
+                         f"{{'kind': 'slow', 'rank': 1, 'step': 2, 'delay_s': 0.1}}")
+            n = f.get("steps")
+            if n is not None and (not _whole(n) or n < 1):
+                p.append(f"a 'slow' fault's steps is how many steps it lasts, at least 1, or "
+                         f"absent for the rest of the run (got {n!r})")
+        if kind == "preempt" and not self.checkpoint_every:
+            p.append("a 'preempt' fault needs checkpoint_every > 0: the checkpoint it writes at "
+                     "the notice goes where the run's checkpoints go, and resumes from there")
         return p
 
     # --- files ---------------------------------------------------------------------------
@@ -297,7 +316,9 @@ FIELDS = {
     "timeout_s": Option("number", "seconds every collective, the rendezvous and every step "
                         "may take before the run is ended", minimum=0, above=True),
     "options": Option("dict", "strategy options by name, e.g. {'bucket_cap_mb': 1}"),
-    "fault": Option("dict", "{'rank': r, 'step': s, 'kind': 'raise'|'kill'|'hang'|'exit'}",
+    "fault": Option("dict", "{'rank': r, 'step': s, 'kind': 'raise'|'kill'|'hang'|'exit'|"
+                    "'preempt'}, or {'kind': 'slow', 'rank': r, 'step': s, 'delay_s': d, "
+                    "'steps': k}",
                     none_ok=True),
     "save_final": Option("bool", "every rank writes the full final parameters to "
                                  "final_state_rank{r}.pt (rank 0 also to final_state.pt)"),
@@ -385,11 +406,18 @@ def from_args(args) -> RunConfig:
     fault = None
     if args.fault:
         try:
-            r, s, kind = args.fault.split(":")
+            r, s, kind, *extra = args.fault.split(":")
             fault = {"rank": int(r), "step": int(s), "kind": kind}
-        except ValueError:
+            if kind == "slow":
+                fault["delay_s"] = float(extra.pop(0))
+                if extra:
+                    fault["steps"] = int(extra.pop(0))
+            if extra:
+                raise ValueError
+        except (ValueError, IndexError):
             raise ConfigError(
-                f"--fault takes RANK:STEP:KIND, e.g. 1:3:raise (got {args.fault!r})") from None
+                f"--fault takes RANK:STEP:KIND, e.g. 1:3:raise, or RANK:STEP:slow:DELAY_S[:STEPS], "
+                f"e.g. 1:2:slow:0.1:5 (got {args.fault!r})") from None
     return RunConfig(
         strategy=args.strategy, world_size=args.world_size, steps=args.steps, model=args.model,
         model_options=_pairs(args.model_opt, "--model-opt"), batch_size=args.batch_size,

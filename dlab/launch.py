@@ -29,7 +29,7 @@ import psutil
 from dlab.config import ConfigError, RunConfig
 from dlab.diagnose import RunFailed, find_failure
 from dlab.metrics import measure_cpu_peak_flops
-from dlab.runs import JsonlTail, RunDir, read_json, write_json
+from dlab.runs import JsonlTail, RunDir, preempted_or_ok, read_json, write_json
 from dlab.summary import Summary
 
 _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
@@ -271,7 +271,8 @@ class Run:
 
     @property
     def state(self) -> str:
-        """running, ok, failed, stopped, interrupted, timeout, or lost (see ``RunDir.status``)."""
+        """running, ok, preempted, failed, stopped, interrupted, timeout, or lost (see
+        ``RunDir.status``)."""
         if self.proc is not None and self.proc.poll() is None:
             return "running"
         if self.proc is not None and self._ended_as is None:
@@ -365,6 +366,19 @@ class Run:
         if self.proc is not None and self.proc.poll() is None:
             self.stop(reason="failed")
 
+    def preempt(self, timeout: float | None = None) -> Run:
+        """Do what a scheduler does to a job it takes back: SIGTERM to the launcher (torchrun's
+        agent passes it to every rank and waits up to 30 s for them), then wait. The ranks stop
+        after a step they agree on, checkpoint it and exit as preempted (``dlab.preemption``);
+        ``launch(..., resume=str(run.path))`` goes on from there. The run must checkpoint
+        (``checkpoint_every`` > 0), or a SIGTERM just ends it."""
+        if self.proc is None:
+            raise RuntimeError(f"run {self.path} was not started by this process; send SIGTERM "
+                               f"to its torchrun (or scancel --signal=TERM its Slurm job)")
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        return self.wait(timeout=timeout)
+
     def stop(self, grace: float = 2.0, reason: str = "stopped") -> None:
         """End every process of the run: SIGTERM (torchrun forwards it to its ranks), then
         SIGKILL whatever is left after ``grace`` seconds."""
@@ -379,8 +393,10 @@ class Run:
         if self._ended_as is not None or self.proc is None:
             return
         failure = self.failure()
+        reports = {r: self.dir.report(r) for r in self.dir.ranks()}
+        ended_well = bool(reports) and all(rep and rep.get("ok") for rep in reports.values())
         state = reason if reason and reason != "failed" else ("failed" if failure else (
-            "ok" if self.proc.returncode == 0 else "failed"))
+            preempted_or_ok(reports) if ended_well else "failed"))
         if state == "interrupted" and failure is None:
             state = "stopped"
         exit_codes = failure.exit_codes if failure else {r: 0 for r in self.dir.ranks()}
@@ -388,36 +404,42 @@ class Run:
         write_json(self.dir / "status.json", {
             "state": state, "torchrun_exit": self.proc.returncode, "exit_codes": exit_codes,
             "failed_rank": failure.rank if failure else None, "ended": time.time(),
-            "ranks": {r: self.dir.report(r) for r in self.dir.ranks()}})
+            "ranks": reports})
         _LIVE.discard(self)
 
 
 def _kill_tree(proc: subprocess.Popen, grace: float) -> None:
-    try:
-        root = psutil.Process(proc.pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
+    procs = process_tree(proc)
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    for p in procs[1:]:  # ranks live in their own sessions, out of the group's reach
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
+    signal_each(procs[1:], "terminate")  # ranks live in their own sessions, out of the group's reach
     _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    signal_each(alive, "kill")
     psutil.wait_procs(alive, timeout=2)
     try:
         proc.wait(timeout=2)
     except subprocess.TimeoutExpired:
         pass
+
+
+def process_tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    """``proc`` (torchrun) first, then every process under it (its ranks)."""
+    try:
+        root = psutil.Process(proc.pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_each(procs: list[psutil.Process], how: str) -> None:
+    """``terminate`` or ``kill`` each process that is still there."""
+    for p in procs:
+        try:
+            getattr(p, how)()
+        except psutil.NoSuchProcess:
+            pass
 
 
 class _Progress:

@@ -102,6 +102,12 @@ def _record_after_torn_start(line: bytes) -> list[dict]:
     return []
 
 
+def preempted_or_ok(reports: dict) -> str:
+    """The state of a run every rank of which ended well: "preempted" when they stopped on a
+    scheduler's notice (``dlab.preemption``), else "ok"."""
+    return "preempted" if any(rep and rep.get("preempted") for rep in reports.values()) else "ok"
+
+
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -206,7 +212,7 @@ class RunDir:
         if failed:
             return {"state": "failed", "ranks": reports}
         if reports and all(rep and rep.get("ok") for rep in reports.values()):
-            return {"state": "ok", "ranks": reports}
+            return {"state": preempted_or_ok(reports), "ranks": reports}
         return {"state": "lost" if self._processes_gone() else "running", "ranks": reports}
 
     def _processes_gone(self) -> bool:

@@ -33,6 +33,7 @@ from dlab.comm.wire import meter
 from dlab.data import make_data
 from dlab.metrics import device_peak_flops
 from dlab.parallel.base import Context, Strategy
+from dlab.preemption import Preemption
 from dlab.runs import RankWriter
 
 
@@ -85,34 +86,64 @@ def _comm_record(strategy: Strategy, before: tuple, after: tuple, wire: int | No
     return total, by_op
 
 
+#: the spans in which a rank does its own work; the rest of a step it waits (for a peer, for
+#: bytes). An injected straggler's delay counts as its own work: it is the slow rank's time.
+BUSY_KINDS = ("forward", "backward", "weight_grad", "optimizer", "straggle")
+
+
+def busy_seconds(events: list[dict]) -> float:
+    """Seconds of the union of ``events``' busy spans (``BUSY_KINDS``; nested spans once)."""
+    spans = sorted((e["start"], e["end"]) for e in events if e["kind"] in BUSY_KINDS)
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        total += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return total
+
+
 def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
-          checkpointer: Checkpointer | None = None, attempt: int = 0) -> None:
+          checkpointer: Checkpointer | None = None, attempt: int = 0,
+          preemption: Preemption | None = None) -> None:
     """Runs steps ``state['step']`` .. ``config.steps - 1``; ``state['step']`` always holds the
     step in progress (the worker reports it if the step fails). With a ``checkpointer``, saves
     after every ``checkpoint_every`` steps; ``checkpoint_s`` in the metrics is the time the step
-    was blocked by it."""
+    was blocked by it. With a ``preemption``, stops after the step the ranks agree on once a
+    SIGTERM came, with a checkpoint of it (``dlab.preemption``); ``state["preempted"]`` is then
+    the step to resume from.
+
+    ``busy_s`` in the metrics is the step's time in the rank's own work (``BUSY_KINDS``) and
+    ``idle_s`` the rest of ``step_time``: waiting for peers or for bytes. One slow rank shows as
+    the one whose busy time is high and idle time low while every other rank idles."""
     cfg = ctx.config
     data = make_data(cfg)
     tokens = data.tokens_per_batch()
     model = cfg.model_config()
     flops_per_token, hardware_flops_per_token = model.flops_per_token(), model.hardware_flops_per_token()
     peak, peak_source = device_peak_flops(ctx.device, cfg.threads_per_rank)
+    state["peak_flops"], state["peak_source"] = peak, peak_source
     for step in range(state.get("step", 0), cfg.steps):
         state["step"] = ctx.timeline.step = step
         faults.maybe_inject(cfg.fault, ctx.rank, step, attempt)
+        delay = faults.straggle_s(cfg.fault, ctx.rank, step)
         batch = data.global_batch(step)
         wire_start = meter.cut()  # an op still in flight from the last step is charged there
         before, before_dims = _comm_totals(strategy), _dim_totals(strategy)
         start, wall = time.perf_counter(), ctx.timeline.now()
+        if delay:
+            with ctx.timeline.span("straggle", delay_s=delay):
+                time.sleep(delay)
         loss = strategy.step(batch)
         seconds = time.perf_counter() - start
         wire_end = meter.cut()  # ... and one still in flight now, here, for what it wrote so far
         ctx.timeline.add("step", wall, ctx.timeline.now())
+        busy = busy_seconds(ctx.timeline.events)
         comm, comm_by_op = _comm_record(strategy, before, _comm_totals(strategy),
                                         None if wire_start is None else wire_end - wire_start)
         record = {
-            "step": step, "rank": ctx.rank, "attempt": attempt, "time": ctx.timeline.now(),
+            "step": step, "rank": ctx.rank, "world_size": ctx.world_size, "attempt": attempt,
+            "time": ctx.timeline.now(),
             "loss": loss, "step_time": seconds,
+            "busy_s": busy, "idle_s": max(0.0, seconds - busy),
             "tokens": tokens, "tokens_per_s": tokens / seconds,
             "mfu": flops_per_token * tokens / seconds / (peak * ctx.world_size),
             "hfu": hardware_flops_per_token * tokens / seconds / (peak * ctx.world_size),
@@ -130,7 +161,14 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
             record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
         writer.metric(record)
         writer.events(ctx.timeline.drain())
+        if preemption and step + 1 < cfg.steps and preemption.stop_after(step):
+            begin = time.perf_counter()
+            if "checkpoint_s" not in record:
+                checkpointer.save(strategy, step + 1)
+            checkpointer.wait()
+            state["notice_checkpoint_s"] = time.perf_counter() - begin
+            state["step"] = state["preempted"] = step + 1
+            return
     if checkpointer:
         checkpointer.wait()
     state["step"] = cfg.steps
-    state["peak_flops"], state["peak_source"] = peak, peak_source

@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from dlab.config import RunConfig, add_arguments, from_args
+from dlab.preemption import PREEMPTED_EXIT
 from dlab.runs import RankWriter, RunDir
 from dlab.watchdog import StepWatchdog
 
@@ -77,6 +78,9 @@ def parse(argv: list[str] | None):
     p.add_argument("--run-dir", help="run directory (default: runs/<slurm job or torchrun id>)")
     p.add_argument("--config", help="config.json to run (instead of the flags)")
     p.add_argument("--call", help="module:function to call on every rank (dlab.spawn)")
+    p.add_argument("--elastic", action="store_true",
+                   help="take the world size from torchrun (it changes when agents leave or join, "
+                        "torchrun --nnodes MIN:MAX) instead of the config's; see dlab.elastic")
     add_arguments(p, strategy_required=False)
     return p.parse_args(argv)
 
@@ -95,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     run.path.mkdir(parents=True, exist_ok=True)
     if args.config:
         cfg = RunConfig.load(args.config)
+        if args.elastic:
+            # The global batch stays the config's; each rank's share follows the world size.
+            # Every start resumes from the run's newest checkpoint: a returning agent's ranks
+            # are its first attempt, but the run goes on from where the others stopped.
+            cfg.world_size, cfg.resume = world, "latest"
     elif args.call:
         cfg = RunConfig(strategy="call", world_size=world,
                         timeout_s=args.timeout, threads_per_rank=args.threads)
@@ -120,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         watchdog.stop()
         writer.report(ok=True, step=state["step"], **(result or {}))
         writer.close()
+        if result and result.get("preempted"):
+            sys.stdout.flush()
+            os._exit(PREEMPTED_EXIT)
     except BaseException as exc:  # noqa: BLE001 - every failure must leave a report
         watchdog.stop()
         tb = traceback.format_exc()
@@ -164,6 +176,7 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
     from dlab.checkpoint import run_meta as checkpoint_meta
     from dlab.comm.instrumented import Comm
     from dlab.parallel.base import Context
+    from dlab.preemption import Preemption
     from dlab.timeline import Timeline
     from dlab.train import train
 
@@ -178,12 +191,21 @@ def _train(cfg, writer, rank, world, local_rank, device, state) -> dict:
         checkpointer = Checkpointer(writer.run / "checkpoints", rank, world, cfg.checkpoint_kind,
                                     cfg.keep_checkpoints, cfg.checkpoint_async,
                                     meta=checkpoint_meta(cfg), device=device)
+    # A SIGTERM is turned into a checkpoint only where there are checkpoints to write.
+    preemption = Preemption(attempt) if checkpointer else None
     dist.barrier()
     t0_wall = timeline.align()
     if attempt or state["step"]:
         timeline.add("restart" if attempt else "resume", 0.0, 0.0, attempt=attempt,
                      from_step=state["step"])
-    train(ctx, strategy, writer, state, checkpointer, attempt)
+    train(ctx, strategy, writer, state, checkpointer, attempt, preemption)
+    if "preempted" in state:
+        dist.barrier()  # no rank exits while another still writes its checkpoint
+        return {"preempted": True, "resume_from": state["preempted"],
+                "notice_s": time.time() - preemption.noticed if preemption.noticed else None,
+                "notice_checkpoint_s": state["notice_checkpoint_s"],
+                "peak_flops": state["peak_flops"], "peak_source": state["peak_source"],
+                "t0_wall": t0_wall, "device": str(device)}
     if cfg.save_final:
         import torch
         full = strategy.full_state_dict()

@@ -18,7 +18,10 @@ from dlab import checkpoint
 RUN = {**TINY_GPT, "steps": 8, "save_final": True}
 
 
-@pytest.mark.parametrize("strategy", ["torch-ddp", pytest.param("zero3", marks=pytest.mark.slow)])
+# slow: notebook 07 kills a torch-ddp rank and resumes it bit for bit under make test, and the
+# preemption test (test_stragglers_preemption.py) resumes from a checkpoint bit for bit
+@pytest.mark.parametrize("strategy", [pytest.param("torch-ddp", marks=pytest.mark.slow),
+                                      pytest.param("zero3", marks=pytest.mark.slow)])
 def test_killed_rank_resumes_bitwise_identical(strategy, runs_dir):
     """Train 8 steps uninterrupted, vs. kill rank 1 at step 5 and let torchrun restart every rank
     from the step-4 checkpoint: the same losses and parameters, bit for bit (CPU, fp32). With
@@ -40,6 +43,7 @@ def test_killed_rank_resumes_bitwise_identical(strategy, runs_dir):
     assert ({"rank0.pt", "rank1.pt"} <= files) == (strategy == "zero3"), files
 
 
+@pytest.mark.slow  # the default run resumes from an async checkpoint in test_stragglers_preemption
 def test_async_and_full_checkpoints_resume_the_same(runs_dir):
     """A run resumed from an asynchronous checkpoint (written by a thread while training went
     on) and one resumed from a full checkpoint both take the remaining steps exactly as the

@@ -72,6 +72,12 @@ class OpStats:
         self.gloo_bytes = _plus(self.gloo_bytes, other.gloo_bytes)
 
 
+# torch 2.13 renamed the tensor forms of all-gather and reduce-scatter (the old names warn);
+# torch before it has only the old names, which take the same arguments.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -101,6 +107,10 @@ class _Timed:
         self._close()
         self.stats.seconds += time.perf_counter() - self.start
         return True
+
+    def is_completed(self) -> bool:
+        """Whether the op has finished, without blocking (poll it, then ``wait()`` to count)."""
+        return self.work.is_completed()
 
     def get_future(self):
         return self.work.get_future()
@@ -183,7 +193,7 @@ class Comm:
         n, s = self.size, nbytes(out)
         wire = (n - 1) / n * s
         return self._run("all_gather", s, wire, wire,
-                         lambda: dist.all_gather_single(out, t, group=self.group, async_op=async_op),
+                         lambda: _ALL_GATHER(out, t, group=self.group, async_op=async_op),
                          async_op, model.gloo_all_gather_bytes(s, n))
 
     def reduce_scatter_tensor(self, out: torch.Tensor, t: torch.Tensor,
@@ -195,7 +205,7 @@ class Comm:
             return self._ring_reduce_scatter(out, t, op, async_op)
         wire = (n - 1) / n * s
         return self._run("reduce_scatter", s, wire, wire,
-                         lambda: dist.reduce_scatter_single(out, t, op=op, group=self.group,
+                         lambda: _REDUCE_SCATTER(out, t, op=op, group=self.group,
                                                             async_op=async_op),
                          async_op, model.gloo_reduce_scatter_bytes(s, n, self.rank, t.element_size()))
 

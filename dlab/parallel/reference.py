@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import time
 
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel import register
 from dlab.parallel.base import BUCKET_CAP_MB, Option, WholeModel, data_parallel_problems
+from dlab.parallel.data_parallel import compression
+
+#: PyTorch's compression hooks, the peers of ``ddp``'s ``compress`` options
+CAST_HOOKS = {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
+HOOKS = (*CAST_HOOKS, "powersgd")
 
 
 @register("single")
@@ -40,8 +47,9 @@ class Single(WholeModel):
 class TorchDDP(WholeModel):
     """PyTorch's DistributedDataParallel, the peer for dlab's data parallelism.
 
-    ``options``: ``bucket_cap_mb`` (PyTorch's default 25); ``comm_hook``: ``"count"`` (default)
-    or ``"builtin"``.
+    ``options``: ``bucket_cap_mb`` (PyTorch's default 25); ``comm_hook``: ``"count"`` (default),
+    ``"builtin"``, or one of PyTorch's compression hooks, the peers of ``ddp``'s ``compress``:
+    ``"fp16"``, ``"bf16"``, ``"powersgd"`` (with ``powersgd_rank`` and ``powersgd_start``).
 
     Gradients are views into DDP's buckets (``gradient_as_bucket_view=True``), so the bucket
     memory is the gradient memory and is counted once, under "gradients".
@@ -54,18 +62,46 @@ class TorchDDP(WholeModel):
     data: the buffers it all-reduced, one call each, ring convention); their time is not
     visible from Python, so it is not reported apart from the step, and there are no
     per-bucket events on the timeline.
+
+    The compression hooks run unchanged inside a thin counting hook; their collectives go to
+    ``torch.distributed`` directly, so their measured wire bytes show as the step's
+    ``outside_comm`` and ``sent_bytes`` is the ring model of what each sends:
+
+    - ``"fp16"`` / ``"bf16"`` (``fp16_compress_hook`` / ``bf16_compress_hook``): one all-reduce
+      of the bucket in 16 bits. DDP refuses ``bf16_compress_hook`` by name unless torch was
+      built with CUDA and NCCL 2.10+, but Gloo sums bf16 (probed, torch 2.13): called from the
+      counting hook it runs here too, the same function a GPU user registers.
+    - ``"powersgd"`` (``powerSGD_hook`` with a ``PowerSGDState``: rank ``powersgd_rank``,
+      ``start_powerSGD_iter=powersgd_start`` (PyTorch requires >= 2), error feedback, warm start,
+      ``min_compression_rate`` 2, the run's seed): before the start step, one all-reduce of the
+      bucket; after, the elements the state adds to ``total_numel_after_compression`` for the
+      bucket (its uncompressed tensors, and (n + m) r per compressed matrix), which the hook
+      sends in three all-reduces, counted as one. A compressed bucket is waited for before
+      the next one starts (``_counting_powersgd_hook`` says why), so it does not overlap
+      backward; dlab's ``powersgd`` runs on its communication thread and does.
     """
 
     OPTIONS = {
         "bucket_cap_mb": BUCKET_CAP_MB,
         "comm_hook": Option("choice", "'count' (a Python hook that counts each bucket and puts it on "
-                            "the timeline) or 'builtin' (DDP's own C++ all-reduce)",
-                            default="count", choices=("count", "builtin")),
+                            "the timeline), 'builtin' (DDP's own C++ all-reduce), or PyTorch's "
+                            "compression hooks 'fp16', 'bf16', 'powersgd'",
+                            default="count", choices=("count", "builtin", *HOOKS)),
+        "powersgd_rank": Option("int", "PowerSGDState's matrix_approximation_rank, e.g. 1 to 4",
+                                default=compression.POWERSGD_RANK, minimum=1),
+        "powersgd_start": Option("int", "PowerSGDState's start_powerSGD_iter: steps of plain "
+                                 "all-reduce first, at least 2 with error feedback",
+                                 default=compression.POWERSGD_START, minimum=2),
     }
 
     @classmethod
     def problems(cls, config):
-        return super().problems(config) + data_parallel_problems(config, config.world_size)
+        p = super().problems(config) + data_parallel_problems(config, config.world_size)
+        hook = config.options.get("comm_hook", "count")
+        p += [f"option {key} applies to comm_hook='powersgd' only (comm_hook={hook!r}); set "
+              f"comm_hook='powersgd' or drop {key}"
+              for key in ("powersgd_rank", "powersgd_start") if key in config.options and hook != "powersgd"]
+        return p
 
     def setup(self) -> None:
         self.model = self.build_model()
@@ -73,9 +109,21 @@ class TorchDDP(WholeModel):
         self.ddp = DistributedDataParallel(
             self.model, device_ids=device_ids, gradient_as_bucket_view=True,
             bucket_cap_mb=self.ctx.config.options.get("bucket_cap_mb", 25))
-        self.builtin = self.ctx.config.options.get("comm_hook", "count") == "builtin"
-        if not self.builtin:
+        options = self.ctx.config.options
+        hook = options.get("comm_hook", "count")
+        self.builtin = hook == "builtin"
+        if hook == "count":
             self.ddp.register_comm_hook(self, _counting_allreduce_hook)
+        elif hook in CAST_HOOKS:
+            self.cast_hook = CAST_HOOKS[hook]
+            self.ddp.register_comm_hook(self, _counting_cast_hook)
+        elif hook == "powersgd":
+            self.powersgd = PowerSGDState(
+                None, matrix_approximation_rank=options.get("powersgd_rank", compression.POWERSGD_RANK),
+                start_powerSGD_iter=options.get("powersgd_start", compression.POWERSGD_START),
+                min_compression_rate=compression.MIN_COMPRESSION_RATE, use_error_feedback=True,
+                warm_start=True, random_seed=self.ctx.config.seed)
+            self.ddp.register_comm_hook(self, _counting_powersgd_hook)
         self.optimizer = self.build_optimizer(self.ddp.parameters())
         self.meter = ActivationMeter(self.model.parameters())
 
@@ -111,3 +159,40 @@ def _counting_allreduce_hook(strategy, bucket):
         return fut.value()[0]
 
     return work.get_future().then(finished)
+
+
+def _counted(strategy, bucket, fut, payload: int):
+    """Record one all-reduce of ``payload`` bytes (ring model) for a bucket that PyTorch's hook
+    sends itself, timed to its future's completion, and put it on the timeline."""
+    comm, tl = strategy.ctx.comm, strategy.ctx.timeline
+    n, start, begin = comm.size, tl.now(), time.perf_counter()
+    wire = 2 * (n - 1) / n * payload
+    stats = comm.record("all_reduce", payload, wire, wire)
+
+    def finished(f):
+        stats.seconds += time.perf_counter() - begin
+        tl.add("all_reduce", start, tl.now(), bucket=bucket.index())
+        return f.value()
+
+    return fut.then(finished)
+
+
+def _counting_cast_hook(strategy, bucket):
+    payload = 2 * bucket.buffer().numel()  # 16 bits an element
+    return _counted(strategy, bucket, strategy.cast_hook(None, bucket), payload)
+
+
+def _counting_powersgd_hook(strategy, bucket):
+    state, buffer = strategy.powersgd, bucket.buffer()
+    compressing = state.iter >= state.start_powerSGD_iter
+    before = state.total_numel_after_compression
+    fut = powerSGD_hook(state, bucket)  # adds the bucket's elements sent to the state, now
+    numel = state.total_numel_after_compression - before if compressing else buffer.numel()
+    if compressing:
+        # The hook issues a bucket's P and Q all-reduces from the completion callback of its
+        # first one, racing the next bucket's first all-reduce issued by autograd: ranks then
+        # issue collectives in different orders and Gloo aborts ("Received data size doesn't
+        # match expected size", seen here at 2 ranks with 7 buckets). Waiting for the bucket
+        # makes them one at a time, in order, at the price of their overlap with backward.
+        fut.wait()
+    return _counted(strategy, bucket, fut, numel * buffer.element_size())

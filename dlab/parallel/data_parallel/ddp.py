@@ -21,6 +21,15 @@ step, default 1), ``allreduce``: ``"backend"`` (``torch.distributed.all_reduce``
 ``"ring"`` (dlab's hand-written ring from ``dlab.comm.algorithms``, run on a communication
 thread so it still overlaps backward).
 
+Gradient compression (``compression.py``), ``compress``: ``"none"`` (default), ``"fp16"`` or
+``"bf16"`` (all-reduce in 16 bits, PyTorch's ``fp16_compress_hook``), ``"powersgd"`` (rank
+``powersgd_rank``, default 1, after ``powersgd_start`` steps of plain all-reduce, default 2;
+Vogels et al. 2019) or ``"topk"`` (the ``topk_ratio`` largest entries of each bucket, default
+0.01, all-gathered; Stich et al. 2018). A compressed bucket is reduced on the same one-thread
+communication pool as the ring, started from the same hooks, so it overlaps backward too. The
+compressors' error feedback and warm start live on each rank apart from the model and are not
+in checkpoints, so a stateful compressor (powersgd, topk) is refused with checkpoints.
+
 Not done here, and what it would buy: PyTorch also re-orders buckets after the first iteration
 to the order gradients actually became ready, and finds unused parameters on request; the
 models here use every parameter, and a bucket never marked ready is flushed after backward.
@@ -33,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dlab.parallel import register
 from dlab.parallel.base import BUCKET_CAP_MB, Option
+from dlab.parallel.data_parallel import compression
 from dlab.parallel.data_parallel.buckets import build_buckets
 from dlab.parallel.data_parallel.replica import Replica
 
@@ -64,7 +74,19 @@ class DistributedDataParallel(Replica):
                                minimum=1),
         "allreduce": Option("choice", "torch.distributed.all_reduce ('backend') or dlab's ring",
                             default="backend", choices=ALLREDUCE),
+        "compress": Option("choice", "gradient compression per bucket: 'none', 'fp16' or 'bf16' (a "
+                           "16-bit all-reduce), 'powersgd' (low rank) or 'topk' (sparse)",
+                           default="none", choices=compression.METHODS),
+        "powersgd_rank": Option("int", "PowerSGD's rank r per matrix, e.g. 1 to 4",
+                                default=compression.POWERSGD_RANK, minimum=1),
+        "powersgd_start": Option("int", "steps of plain all-reduce before PowerSGD compresses "
+                                 "(PyTorch's start_powerSGD_iter)",
+                                 default=compression.POWERSGD_START, minimum=0),
+        "topk_ratio": Option("number", "the fraction of each bucket's entries top-k sends, in (0, 1], "
+                             "e.g. 0.01", default=compression.TOPK_RATIO, minimum=0, above=True),
     }
+    #: the options that only mean something with one compressor
+    COMPRESS_OPTIONS = {"powersgd_rank": "powersgd", "powersgd_start": "powersgd", "topk_ratio": "topk"}
 
     @classmethod
     def problems(cls, config):
@@ -75,6 +97,7 @@ class DistributedDataParallel(Replica):
         if allreduce == "ring" and ring_algorithm() is None:
             p.append("allreduce='ring' needs dlab's ring all-reduce (dlab.comm.algorithms), "
                      "which this installation lacks; use allreduce='backend'")
+        p += compress_problems(config, allreduce)
         if not p and config.batch_size % (config.world_size * k):
             p.append(f"the global batch_size={config.batch_size} does not split into "
                      f"{config.world_size} ranks x {k} micro-batches of equal size; use a "
@@ -88,11 +111,15 @@ class DistributedDataParallel(Replica):
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        # A single thread keeps the ring's point-to-point messages in bucket order.
+        # A single thread keeps the ring's point-to-point messages, or a compressor's
+        # collectives, in bucket order.
         self.ring = ring_algorithm() if self.allreduce == "ring" else None
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dlab-ring") if self.ring else None
+        self.compressor = compression.make(self.ctx.config, self.ctx.comm, self.buckets, self.params)
+        threaded = self.ring is not None or self.compressor is not None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dlab-comm") if threaded else None
         self.sync = True
-        self.ctx.comm.stats["all_reduce"]  # noqa: B018 - create the key before any thread counts
+        # create the op's key before any thread counts
+        self.ctx.comm.stats[self.compressor.op if self.compressor else "all_reduce"]  # noqa: B018
         self._start_iteration()
 
     # --- gradient accumulation ------------------------------------------------------------
@@ -124,6 +151,9 @@ class DistributedDataParallel(Replica):
     def _launch(self, bucket) -> None:
         comm, tl = self.ctx.comm, self.ctx.timeline
         start = tl.now()
+        if self.compressor is not None:
+            self.in_flight.append(self.pool.submit(self._compressed_reduce, bucket, start))
+            return
         bucket.flat.div_(comm.size)  # average as a sum of g_i / N, as PyTorch does
         if self.ring is not None:
             self.in_flight.append(self.pool.submit(self._ring_all_reduce, bucket, start))
@@ -147,6 +177,11 @@ class DistributedDataParallel(Replica):
         comm.record("all_reduce", bucket.nbytes, sent, recv, time.perf_counter() - begin)
         tl.add("all_reduce", start, tl.now(), bucket=bucket.index, algorithm="ring")
 
+    def _compressed_reduce(self, bucket, start: float) -> None:
+        tl = self.ctx.timeline
+        self.compressor.reduce(bucket)
+        tl.add(self.compressor.op, start, tl.now(), bucket=bucket.index, compress=self.compressor.name)
+
     def _finish_iteration(self) -> None:
         # A bucket whose hook never fired (a parameter unused in this forward) still has to be
         # reduced, in order, or the ranks' collectives would not match.
@@ -154,8 +189,14 @@ class DistributedDataParallel(Replica):
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
         for fut in self.in_flight:
-            fut.result() if self.ring is not None else fut.wait()
+            fut.result() if self.pool is not None else fut.wait()
         self._start_iteration()
+
+    def memory(self):
+        mem = super().memory()
+        if self.compressor is not None:  # error feedback, warm start: held for the next step
+            mem["comm_buffers"] += self.compressor.state_bytes()
+        return mem
 
     # --- the step ---------------------------------------------------------------------------
     def step(self, batch):
@@ -174,6 +215,27 @@ class DistributedDataParallel(Replica):
         with tl.span("optimizer"):
             self.optimizer.step()
         return self.mean_loss(total / k)
+
+
+def compress_problems(config, allreduce: str) -> list[str]:
+    """What cannot work in the compression options, each with what to change."""
+    o, p = config.options, []
+    method = o.get("compress", "none")
+    for key, needs in DistributedDataParallel.COMPRESS_OPTIONS.items():
+        if key in o and method != needs:
+            p.append(f"option {key} applies to compress='{needs}' only (compress={method!r}); "
+                     f"set compress='{needs}' or drop {key}")
+    if o.get("topk_ratio", compression.TOPK_RATIO) > 1:
+        p.append(f"option topk_ratio={o['topk_ratio']!r} is the fraction of entries sent, so at "
+                 f"most 1; use e.g. 0.01 (1 %)")
+    if method != "none" and allreduce == "ring":
+        p.append(f"compress={method!r} runs its own collectives on the backend; use "
+                 f"allreduce='backend' (the default) with it")
+    if method in ("powersgd", "topk") and (config.checkpoint_every or config.resume):
+        p.append(f"compress={method!r} keeps error feedback on each rank that checkpoints do not "
+                 f"hold, so a resumed run would not continue the same training; set "
+                 f"checkpoint_every=0 and resume='', or use compress='fp16' / 'bf16' (no state)")
+    return p
 
 
 def _report_bytes(report, nbytes: int, n: int) -> tuple[float, float]:

@@ -31,7 +31,7 @@ from torch.nn.utils import parameters_to_vector
 
 from dlab.metrics import ActivationMeter, model_state_memory, storage_bytes
 from dlab.parallel import register
-from dlab.parallel.base import Option
+from dlab.parallel.base import Option, Strategy
 from dlab.parallel.data_parallel.replica import Replica
 
 SERVER = 0
@@ -50,6 +50,11 @@ def copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 @register("ps-sync")
 class SyncParameterServer(Replica):
     """Parameter server (rank 0 serves and works): push gradients, wait for all, pull weights."""
+
+    # Only the server holds the optimizer: a checkpoint would be the server's alone (not done).
+    replicated = False
+    checkpoint_state = Strategy.checkpoint_state
+    load_checkpoint_state = Strategy.load_checkpoint_state
 
     def setup(self) -> None:
         self.model = self.build_model()

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import torch
 
+from dlab import checkpoint
 from dlab.data import shard
 from dlab.metrics import ActivationMeter
 from dlab.parallel.base import Strategy, data_parallel_problems
 
 
 class Replica(Strategy):
-    """Base of the data-parallel strategies: one replica per rank, the batch split by rank."""
+    """Base of the data-parallel strategies: one replica per rank, the batch split by rank.
+    Replicas equal after every step checkpoint as one (rank 0's part); a subclass whose ranks
+    hold different state (a parameter server's workers have no optimizer) opts out."""
+
+    replicated = True
 
     @classmethod
     def problems(cls, config):
@@ -40,3 +45,9 @@ class Replica(Strategy):
 
     def full_state_dict(self):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_state(self):
+        return checkpoint.replica_state(self.model, self.optimizer)
+
+    def load_checkpoint_state(self, reader):
+        checkpoint.load_replica(self.model, self.optimizer, reader)

@@ -1,0 +1,134 @@
+"""What breaks at scale, caused on purpose: a straggler, backup workers, a preemption.
+
+- A ``slow`` fault delays one rank by ``delay_s`` per step: that rank's busy time grows by the
+  delay, and under synchronous DP every other rank's step grows by it too (they idle, waiting),
+  which the summary names.
+- ``ps-backup`` with b backups averages the first N - b gradients: its step time stays near the
+  fast ranks' while the straggler's gradients are dropped, and its update is checked against
+  its own rule (replayed here in one process from the ranks it says it used).
+- A preempted run (SIGTERM to the launcher) stops on an agreed step with a checkpoint and state
+  "preempted"; resumed, it ends bit for bit where an uninterrupted run ends.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY_GPT, assert_ranks_agree, final_state
+
+import dlab
+from dlab.config import ConfigError, RunConfig
+from dlab.data import make_data, shard
+from dlab.models import build
+
+DELAY = 0.25  # far above a tiny-GPT step (~10-20 ms here), so timing checks have a wide margin
+
+
+def slow(rank: int, step: int = 1, **more) -> dict:
+    return {"rank": rank, "step": step, "kind": "slow", "delay_s": DELAY, **more}
+
+
+def test_a_straggler_holds_back_synchronous_dp_and_is_named(runs_dir):
+    run = dlab.launch("ddp", 2, runs_dir=runs_dir, wait=True, **{**TINY_GPT, "steps": 5},
+                      fault=slow(1, steps=3))
+    spans = [e for e in run.timeline(1) if e["kind"] == "straggle"]
+    assert [e["step"] for e in spans] == [1, 2, 3]
+    assert all(abs(e["end"] - e["start"] - DELAY) < 0.05 for e in spans), spans
+    fast, straggler = run.metrics(0), run.metrics(1)
+    for t in (1, 2, 3):  # slowed by the delay, and the fast rank's step follows it, idle
+        assert straggler[t]["busy_s"] >= DELAY
+        assert fast[t]["step_time"] >= DELAY and fast[t]["idle_s"] >= 0.8 * DELAY
+        assert fast[t]["busy_s"] < DELAY / 2
+    assert fast[4]["step_time"] < DELAY / 2  # the span is over
+    notes = run.summary().stragglers()
+    assert len(notes) == 1 and notes[0].startswith("rank 1 is a straggler"), notes
+
+
+def replay_backup_rule(run, steps: int) -> dict[str, torch.Tensor]:
+    """Chen et al.'s update, in one process: at step t average the gradients, on the weights
+    of step t, of the shards of the ranks the server says it used, then take the optimizer
+    step (SGD, momentum 0.9, as dlab's ``sgd``)."""
+    cfg = RunConfig.from_dict(run.config)
+    model = build(cfg.model, cfg.model_options, cfg.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    data = make_data(cfg)
+    for t, record in enumerate(run.metrics(0)[:steps]):
+        used = record["backup"]["used"]
+        opt.zero_grad()
+        batch = data.global_batch(t)
+        for r in used:
+            x, y = shard(batch, r, cfg.world_size)
+            (model.criterion(model(x), y) / len(used)).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_backup_workers_drop_the_straggler_and_follow_their_rule(runs_dir):
+    steps = 6
+    run = dlab.launch("ps-backup", 4, runs_dir=runs_dir, wait=True, save_final=True,
+                      options={"backup": 1}, fault=slow(1, step=0), **{**TINY_GPT, "steps": steps})
+    server = run.metrics(0)
+    assert all(m["backup"]["used"] == [0, 2, 3] for m in server), [m["backup"] for m in server]
+    # the fast ranks do not wait for it: their steps stay far below the delay (but the last,
+    # where the server waits for every pending push so that all replicas end equal)
+    assert max(m["step_time"] for m in server[1:-1]) < DELAY / 2
+    want = replay_backup_rule(run, steps)
+    got = final_state(run)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-5, worst
+    assert_ranks_agree(run)  # the straggler too ends on the final weights
+
+
+@pytest.mark.slow
+def test_backup_workers_with_no_backup_equal_ps_sync(runs_dir):
+    runs = [dlab.launch(s, 4, runs_dir=runs_dir, wait=True, save_final=True, options=o, **TINY_GPT)
+            for s, o in (("ps-backup", {"backup": 0}), ("ps-sync", {}))]
+    a, b = (final_state(r) for r in runs)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    assert [m["loss"] for m in runs[0].metrics(0)] == pytest.approx(
+        [m["loss"] for m in runs[1].metrics(0)], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_straggler_holds_back_the_synchronous_parameter_server(runs_dir):
+    run = dlab.launch("ps-sync", 4, runs_dir=runs_dir, wait=True, fault=slow(2, step=0),
+                      **TINY_GPT)
+    assert all(m["step_time"] >= DELAY for m in run.metrics(0)[1:])
+    assert run.summary().stragglers()[0].startswith("rank 2 is a straggler")
+
+
+def test_a_preempted_run_checkpoints_and_resumes_bit_for_bit(runs_dir):
+    cfg = {**TINY_GPT, "steps": 6}
+    whole = dlab.launch("ddp", 2, runs_dir=runs_dir, wait=True, save_final=True, **cfg)
+    # asynchronous: the notice's checkpoint is written by a thread and waited for before exit
+    cut = dlab.launch("ddp", 2, runs_dir=runs_dir, wait=True, checkpoint_every=100,
+                      checkpoint_async=True, fault={"rank": 1, "step": 2, "kind": "preempt"}, **cfg)
+    assert cut.state == "preempted"
+    status = cut.status()
+    reports = status["ranks"].values()
+    assert all(r["preempted"] for r in reports)
+    stop = {r["resume_from"] for r in reports}
+    assert len(stop) == 1 and 2 < stop.pop() < 6  # every rank stopped after the same step
+    assert set(status["exit_codes"].values()) == {0}  # ended well, as reported
+    resumed = dlab.launch("ddp", 2, runs_dir=runs_dir, wait=True, save_final=True,
+                          resume=str(cut.path), **cfg)
+    a, b = final_state(whole), final_state(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs from the whole one"
+
+
+@pytest.mark.parametrize("fault, words", [
+    ({"rank": 1, "step": 0, "kind": "slow"}, "delay_s"),
+    ({"rank": 1, "step": 0, "kind": "slow", "delay_s": 0}, "above 0"),
+    ({"rank": 1, "step": 0, "kind": "slow", "delay_s": 0.1, "steps": 0}, "at least 1"),
+    ({"rank": 1, "step": 0, "kind": "raise", "delay_s": 0.1}, "got also ['delay_s']"),
+    ({"rank": 1, "step": 0, "kind": "preempt"}, "checkpoint_every"),
+])
+def test_bad_faults_are_refused_before_launch(fault, words, runs_dir):
+    with pytest.raises(ConfigError, match=None) as e:
+        dlab.launch("ddp", 2, runs_dir=runs_dir, fault=fault, **TINY_GPT)
+    assert words in str(e.value)
+
+
+def test_backup_must_leave_a_gradient(runs_dir):
+    with pytest.raises(ConfigError) as e:
+        dlab.launch("ps-backup", 2, runs_dir=runs_dir, options={"backup": 2}, **TINY_GPT)
+    assert "backup < world_size" in str(e.value)
