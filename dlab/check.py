@@ -36,7 +36,12 @@ MOE = {**GPT, "n_expert": 4, "top_k": 2}
 BASE = {"batch_size": 8, "steps": 3, "optimizer": "sgd", "save_final": True}
 QUICK = ("torch-ddp", "ddp", "zero3", "pipeline-1f1b", "tp", "cp", "ep")
 #: options a strategy needs for its run to be comparable with ``single``
-OPTIONS = {"ps-async": {"max_staleness": 0}}  # unbounded staleness differs from single by design
+OPTIONS = {"ps-async": {"max_staleness": 0},  # unbounded staleness differs from single by design
+           "ps-backup": {"backup": 0},  # dropping gradients does too; b = 0 is ps-sync
+           "local-sgd": {"sync_every": 1}, "torch-local-sgd": {"sync_every": 1}}  # H = 1 is DDP
+#: strategies no option makes equal to ``single``, each with what checks it instead
+NOT_SINGLE = {"ps-downpour": "it steps on each gradient alone, on stale weights: not single's "
+                             "update by design (tests/test_downpour.py replays its own rule)"}
 TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
 BUS_SIZES = (1 << 20, 16 << 20)
 
@@ -196,7 +201,8 @@ def run_check(quick: bool, runs_dir: str = "runs/check", strategies: list[str] |
     import dlab
     from dlab import check, parallel  # the ranks import bus_bandwidth by its module's name
     gpus = gpu_count()
-    names = strategies or (list(QUICK) if quick else [n for n in parallel.names() if n != "single"])
+    names = strategies or (list(QUICK) if quick else [n for n in parallel.names()
+                                                        if n != "single" and n not in NOT_SINGLE])
     where = (f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}" if gpus else
              "no GPU found: every check runs on Gloo/CPU")
     references: dict = {}
@@ -221,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in strategies if n not in parallel.names() or n == "single"]
         if unknown:
             p.error(f"--strategies: {', '.join(unknown)} not checkable; choose from "
-                    f"{', '.join(n for n in parallel.names() if n != 'single')}")  # exits 2
+                    f"{', '.join(n for n in parallel.names() if n != 'single' and n not in NOT_SINGLE)}")
+        for n in strategies:
+            if n in NOT_SINGLE:
+                p.error(f"--strategies: {n} cannot be checked against single: {NOT_SINGLE[n]}")
     where, rows, bus = run_check(args.quick, args.runs_dir, strategies)
     print(where)
     print(format_rows(rows))

@@ -9,7 +9,9 @@ Rows, all at the same model and global batch on Gloo:
   design: synchronous steps take ``clean_s + DELAY`` (everyone waits), and so do dlab's
   asynchronous server's, which averages whole rounds (its workers run ahead on stale weights,
   but a round still ends with the straggler's push); backup workers take ``clean_s`` (nobody
-  waits for the late rank; its gradient is dropped).
+  waits for the late rank; its gradient is dropped), and so does the Downpour server
+  (``ps-downpour``), which applies each gradient as it lands (its straggler's gradients arrive
+  stale; the fast ranks wait for it only at the run's end, which the median leaves out).
   The rule assumes a core per rank: with 4 ranks on 2 cores, the ranks that do not sleep get
   the sleeper's core meanwhile, so the synchronous steps come in under ``clean_s + DELAY``; the
   2-rank rows are the rule's fair test.
@@ -48,7 +50,8 @@ def _rank0_step_s(run) -> float:
 
 
 DESIGNS = [("ddp", {}, "sync: clean + delay"), ("ps-sync", {}, "sync: clean + delay"),
-           ("ps-backup", {"backup": 1}, "first N-1: clean"), ("ps-async", {}, "sync rounds: clean + delay")]
+           ("ps-backup", {"backup": 1}, "first N-1: clean"), ("ps-async", {}, "sync rounds: clean + delay"),
+           ("ps-downpour", {}, "no wait: clean")]
 
 
 def straggler_rows(n: int, steps: int, runs_dir: str, designs=DESIGNS) -> list[dict]:
@@ -72,6 +75,8 @@ def straggler_rows(n: int, steps: int, runs_dir: str, designs=DESIGNS) -> list[d
         if strategy == "ps-async":
             stale = [e["staleness"] for e in hit.timeline() if e["kind"] == "forward"]
             row["max_staleness"] = max(stale)
+        if strategy == "ps-downpour":  # the server's log: rank, step, version, staleness
+            row["max_staleness"] = max(a[3] for m in hit.metrics(0) for a in m["downpour"]["applied"])
         rows.append(row)
     return rows
 

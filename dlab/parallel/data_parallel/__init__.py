@@ -2,6 +2,8 @@
 
 - ``ps-sync`` / ``ps-async`` (``parameter_server.py``): a server holds the master weights and
   the optimizer; workers push gradients and pull weights, synchronously or not.
+- ``ps-backup`` (``backup_workers.py``): synchronous with backup workers (the first N - b
+  gradients of each step); ``ps-downpour`` (``downpour.py``): each gradient applied as it lands.
 - ``dp-naive`` (``naive.py``): every rank all-reduces each gradient after backward.
 - ``ddp`` (``ddp.py``, ``buckets.py``): gradients in buckets, each all-reduced from autograd
   hooks as soon as it is full, overlapping the rest of backward; ``no_sync`` accumulation.
@@ -15,6 +17,7 @@ PyTorch's DistributedDataParallel, the peer in ``python -m dlab bench ddp``.
 from dlab.parallel.data_parallel import (  # noqa: F401 - registers
     backup_workers,
     ddp,
+    downpour,
     local_sgd,
     naive,
     parameter_server,
