@@ -34,30 +34,22 @@ ranks used in each step (``backup.used``), so tests check the update against its
 """
 from __future__ import annotations
 
-import queue
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from dlab.metrics import ActivationMeter, model_state_memory, storage_bytes
 from dlab.parallel import register
-from dlab.parallel.base import Option, Strategy
+from dlab.parallel.base import Option
 from dlab.parallel.data_parallel.parameter_server import SERVER, copy_flat_into
-from dlab.parallel.data_parallel.replica import Replica
+from dlab.parallel.data_parallel.push_server import PushServer
 
 
 @register("ps-backup")
-class BackupWorkers(Replica):
+class BackupWorkers(PushServer):
     """Parameter server that averages the first N - b gradients of each step (Chen et al. 2016)."""
 
     OPTIONS = {"backup": Option("int", "b: how many of the N ranks' gradients the server may "
                                 "leave out of each step (it uses the first N - b to arrive)",
                                 default=1, minimum=0)}
-    # the optimizer lives on the server alone, as in ps-sync
-    replicated = False
-    checkpoint_state = Strategy.checkpoint_state
-    load_checkpoint_state = Strategy.load_checkpoint_state
 
     @classmethod
     def problems(cls, config):
@@ -69,29 +61,20 @@ class BackupWorkers(Replica):
         return p
 
     def setup(self) -> None:
-        self.model = self.build_model()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.is_server = self.ctx.rank == SERVER
-        self.optimizer = self.build_optimizer(self.params) if self.is_server else None
-        self.meter = ActivationMeter(self.params)
+        super().setup()
         self.backup = self.ctx.config.options.get("backup", 1)
         n = sum(p.numel() for p in self.params)
         like = dict(dtype=self.params[0].dtype, device=self.ctx.device)
-        workers = range(1, self.ctx.world_size)
         if self.is_server:
             # per worker: the buffer its push lands in, the weights sent to it (an isend must
             # keep its buffer), the pending receive, the version it was last sent
-            self.inbox = {w: torch.zeros(n + 2, **like) for w in workers}
-            self.outbox = {w: torch.zeros(n + 1, **like) for w in workers}
+            self.inbox = {w: torch.zeros(n + 2, **like) for w in self.workers}
+            self.outbox = {w: torch.zeros(n + 1, **like) for w in self.workers}
             self.sends: dict[int, object] = {}
-            # Gloo's receive handles do not report completion until waited for, so a thread
-            # per worker waits and queues the worker's rank: arrivals in arrival order.
-            self.arrivals: queue.Queue[int] = queue.Queue()
-            self.waiters = ThreadPoolExecutor(len(workers), thread_name_prefix="dlab-backup")
             self.pending: set[int] = set()
-            for w in workers:
+            for w in self.workers:
                 self._expect_push(w)
-            self.sent_version = dict.fromkeys(workers, 0)  # every replica starts at version 0
+            self.sent_version = dict.fromkeys(self.workers, 0)  # every replica starts at version 0
             self.used: list[int] = []
         else:
             self.weights = torch.zeros(n + 1, **like)
@@ -113,9 +96,8 @@ class BackupWorkers(Replica):
             self._expect_push(w)
 
     def _expect_push(self, w: int) -> None:
-        work = self.ctx.comm.irecv(self.inbox[w], w)
+        super()._expect_push(w)
         self.pending.add(w)
-        self.waiters.submit(lambda: (work.wait(), self.arrivals.put(w)))
 
     def _next_arrival(self) -> int:
         w = self.arrivals.get(timeout=self.ctx.config.timeout_s)
@@ -184,22 +166,6 @@ class BackupWorkers(Replica):
                 self.push_work.wait()
         return self.last_loss
 
-    def step(self, batch):
-        x, y = self.my_shard(batch)
-        self.meter.reset_peak()
-        t = self.ctx.timeline.step
-        if self.is_server:
-            return self._server_step(x, y, t)
-        return self._worker_step(x, y, t)
-
     def step_extras(self) -> dict:
         return {"backup": {"used": self.used}} if self.is_server else {
             "backup": {"version": self.version}}
-
-    def memory(self):
-        mem = model_state_memory(self.params, self.optimizer)
-        mem["activations"] = self.meter.peak
-        buffers = ([*self.inbox.values(), *self.outbox.values()] if self.is_server
-                   else [self.weights, self.push])
-        mem["comm_buffers"] = storage_bytes(buffers)
-        return mem

@@ -28,50 +28,32 @@ the server alone, as for ``ps-sync``).
 """
 from __future__ import annotations
 
-import queue
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from dlab.metrics import ActivationMeter, model_state_memory, storage_bytes
 from dlab.parallel import register
-from dlab.parallel.base import Strategy
 from dlab.parallel.data_parallel.parameter_server import SERVER, copy_flat_into
-from dlab.parallel.data_parallel.replica import Replica
+from dlab.parallel.data_parallel.push_server import PushServer
 
 #: a push carries, after the gradient: its step, the version it was computed on, its loss
 EXTRA = 3
 
 
 @register("ps-downpour")
-class DownpourServer(Replica):
+class DownpourServer(PushServer):
     """Parameter server that steps on each gradient as it arrives (Dean et al. 2012)."""
 
-    replicated = False
-    checkpoint_state = Strategy.checkpoint_state
-    load_checkpoint_state = Strategy.load_checkpoint_state
-
     def setup(self) -> None:
-        self.model = self.build_model()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.is_server = self.ctx.rank == SERVER
-        self.optimizer = self.build_optimizer(self.params) if self.is_server else None
-        self.meter = ActivationMeter(self.params)
+        super().setup()
         n = sum(p.numel() for p in self.params)
         like = dict(dtype=self.params[0].dtype, device=self.ctx.device)
         self.version = 0  # server: updates applied; worker: the version of its weights
         if self.is_server:
-            workers = range(1, self.ctx.world_size)
-            self.inbox = {w: torch.zeros(n + EXTRA, **like) for w in workers}
-            self.outbox = {w: torch.zeros(n + 1, **like) for w in workers}
+            self.inbox = {w: torch.zeros(n + EXTRA, **like) for w in self.workers}
+            self.outbox = {w: torch.zeros(n + 1, **like) for w in self.workers}
             self.sends: dict[int, object] = {}
-            # Gloo's receive handles report completion only when waited for: a thread per
-            # worker waits and queues the worker's rank, so pushes are served in arrival order.
-            self.arrivals: queue.Queue[int] = queue.Queue()
-            self.waiters = ThreadPoolExecutor(max(1, len(workers)), thread_name_prefix="dlab-downpour")
-            self.last_pushed = dict.fromkeys(workers, -1)
-            for w in workers:
+            self.last_pushed = dict.fromkeys(self.workers, -1)
+            for w in self.workers:
                 self._expect_push(w)
             self.applied: list[list[int]] = []
         else:
@@ -79,10 +61,6 @@ class DownpourServer(Replica):
             self.push = torch.zeros(n + EXTRA, **like)
 
     # --- the server ---------------------------------------------------------------------------
-    def _expect_push(self, w: int) -> None:
-        work = self.ctx.comm.irecv(self.inbox[w], w)
-        self.waiters.submit(lambda: (work.wait(), self.arrivals.put(w)))
-
     def _apply(self, grad: torch.Tensor, rank: int, step: int, computed_on: int) -> None:
         copy_flat_into(grad / self.ctx.world_size, [p.grad for p in self.params])
         with self.ctx.timeline.span("optimizer"):
@@ -143,24 +121,8 @@ class DownpourServer(Replica):
         self.version = int(self.weights[-1])
         return loss
 
-    def step(self, batch):
-        x, y = self.my_shard(batch)
-        self.meter.reset_peak()
-        t = self.ctx.timeline.step
-        if self.is_server:
-            return self._server_step(x, y, t)
-        return self._worker_step(x, y, t)
-
     def step_extras(self) -> dict:
         if not self.is_server:
             return {"downpour": {"version": self.version}}
         applied, self.applied = self.applied, []
         return {"downpour": {"applied": applied}}
-
-    def memory(self):
-        mem = model_state_memory(self.params, self.optimizer)
-        mem["activations"] = self.meter.peak
-        buffers = ([*self.inbox.values(), *self.outbox.values()] if self.is_server
-                   else [self.weights, self.push])
-        mem["comm_buffers"] = storage_bytes(buffers)
-        return mem

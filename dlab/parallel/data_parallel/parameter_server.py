@@ -47,9 +47,9 @@ def copy_flat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += t.numel()
 
 
-@register("ps-sync")
-class SyncParameterServer(Replica):
-    """Parameter server (rank 0 serves and works): push gradients, wait for all, pull weights."""
+class ServedReplica(Replica):
+    """A replica on every rank, the optimizer on rank 0 (the server) alone: every parameter
+    server here."""
 
     # Only the server holds the optimizer: a checkpoint would be the server's alone (not done).
     replicated = False
@@ -61,6 +61,15 @@ class SyncParameterServer(Replica):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.is_server = self.ctx.rank == SERVER
         self.optimizer = self.build_optimizer(self.params) if self.is_server else None
+        self.meter = ActivationMeter(self.params)
+
+
+@register("ps-sync")
+class SyncParameterServer(ServedReplica):
+    """Parameter server (rank 0 serves and works): push gradients, wait for all, pull weights."""
+
+    def setup(self) -> None:
+        super().setup()
         n = sum(p.numel() for p in self.params)
         like = dict(dtype=self.params[0].dtype, device=self.ctx.device)
         # Server: one receive buffer per worker, so all pushes can land at once; workers: the
@@ -68,7 +77,6 @@ class SyncParameterServer(Replica):
         workers = self.ctx.world_size - 1 if self.is_server else 0
         self.inbox = [torch.zeros(n, **like) for _ in range(workers)]
         self.outbox = torch.zeros(n, **like)
-        self.meter = ActivationMeter(self.params)
 
     def _zero_grad(self) -> None:
         for p in self.params:
