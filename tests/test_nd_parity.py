@@ -143,7 +143,8 @@ def test_recomputation_changes_nothing_but_memory_and_bytes(world, recompute, op
     (4, MOE, {"cp": 2, "tp": 2, "ep": 4, **SP}, "ep=4 folds onto the dp x cp = 2"),
     (4, MOE, {"tp": 2, "ep": 2}, "need sequence_parallel=True"),
     (4, GPT, {"zero": 4}, "ZeRO has stages 0"),
-    (4, GPT, {"cp": 2, "tp": 2, "attention": "ulysses", **SP}, "n_head=2 / tp=2 = 1 is not a multiple of cp=2"),
+    (4, GPT, {"cp": 2, "tp": 2, "attention": "ulysses", **SP},
+     "n_head=2 / tp=2 = 1 is not a multiple of cp=2"),
 ])
 def test_bad_layouts_are_refused_before_start(world, config, options, match, runs_dir):
     with pytest.raises(ConfigError, match=match):

@@ -1,7 +1,8 @@
 """``python -m dlab bench context``: context parallelism on a long sequence.
 
 For ring and all-gather attention, zigzag and contiguous layouts, and Ulysses, at 2 and 4
-ranks, and USP (Ulysses in pairs, the ring across them) at 4: the peak activation bytes a rank saves for backward, the bytes it sends per step beside
+ranks, and USP (Ulysses in pairs, the ring across them) at 4: the peak activation bytes a rank
+saves for backward, the bytes it sends per step beside
 ``dlab.estimate.context``, and the median step time. The peer is ``single``, one process with
 the whole sequence: the ratio of activations is what context parallelism is for (ring: about
 1/n of it; all-gather: more, since every rank keeps the whole sequence's K and V). PyTorch's

@@ -31,16 +31,16 @@ def _per_step(run, rank: int, op: str) -> float:
     return median([m["comm_by_op"].get(op, {}).get("sent_bytes", 0.0) for m in run.metrics(rank)])
 
 
-def _busiest_share(record: dict) -> float:
+def busiest_share(record: dict) -> float:
     layers = record["moe"]["routed"]
     return sum(max(r) / sum(r) for r in layers) / len(layers)
 
 
-def _dropped_share(record: dict) -> float:
+def dropped_share(record: dict) -> float:
     return (sum(map(sum, record["moe"]["dropped"])) / sum(map(sum, record["moe"]["routed"])))
 
 
-def _rank_tokens(run, n: int, n_expert: int, step: int) -> list[int]:
+def rank_rows(run, n: int, n_expert: int, step: int) -> list[int]:
     """Rows each rank's experts computed at ``step`` (every layer): the whole batch's kept
     assignments per expert, summed over the experts the rank owns."""
     per_expert = [0] * n_expert
@@ -53,7 +53,7 @@ def _rank_tokens(run, n: int, n_expert: int, step: int) -> list[int]:
             for r in range(n)]
 
 
-def _experts_seconds(run, rank: int) -> dict[int, float]:
+def experts_seconds(run, rank: int) -> dict[int, float]:
     """Per step, one rank's expert forward (its ``experts`` spans; the all-to-all waits left
     out)."""
     per_step: dict[int, float] = {}
@@ -63,14 +63,14 @@ def _experts_seconds(run, rank: int) -> dict[int, float]:
     return per_step
 
 
-def _busiest_rank(run, n: int, n_expert: int, steps: range) -> dict:
+def busiest_rank(run, n: int, n_expert: int, steps: range) -> dict:
     """The busiest rank's expert time over the mean rank's (the median over ``steps``), the
     measurement, beside the same ratio of the rows each rank's experts computed, the model."""
-    seconds = [_experts_seconds(run, r) for r in range(n)]
+    seconds = [experts_seconds(run, r) for r in range(n)]
     measured, tokens = [], []
     for s in steps:
         t = [seconds[r][s] for r in range(n)]
-        rows = _rank_tokens(run, n, n_expert, s)
+        rows = rank_rows(run, n, n_expert, s)
         measured.append(max(t) / (sum(t) / n))
         tokens.append(max(rows) / (sum(rows) / n))
     return {"dlab": median(measured), "model": median(tokens)}
@@ -94,7 +94,7 @@ def training_rows(runs_dir: str, quick: bool) -> list[dict]:
     for aux in (0.0, 0.1):
         run = dlab.launch("ep", n, runs_dir=runs_dir, wait=True,
                           model_options={**model, "aux_loss": aux}, **common)
-        shares = [sum(_busiest_share(run.metrics(r)[s]) for r in range(n)) / n for s in range(steps)]
+        shares = [sum(busiest_share(run.metrics(r)[s]) for r in range(n)) / n for s in range(steps)]
         # which expert is the busiest in the first layer, step by step (over the whole batch)
         busiest = [max(range(n_expert), key=lambda e, s=s: sum(
             run.metrics(r)[s]["moe"]["routed"][0][e] for r in range(n))) for s in range(steps)]
@@ -103,11 +103,11 @@ def training_rows(runs_dir: str, quick: bool) -> list[dict]:
                      "last_5_steps": median(shares[-5:]), "uniform": 1 / n_expert,
                      "busiest_changes": sum(a != b for a, b in zip(busiest, busiest[1:]))})
         rows.append({**what, "metric": "busiest rank's expert time / mean, last 5 steps",
-                     **_busiest_rank(run, n, n_expert, range(steps - 5, steps))})
+                     **busiest_rank(run, n, n_expert, range(steps - 5, steps))})
     for factor in (1.0, 1.25, 2.0):
         run = dlab.launch("ep", n, runs_dir=runs_dir, wait=True,
                           model_options={**model, "capacity_factor": factor}, **{**common, "steps": 5})
-        dropped = median([sum(_dropped_share(run.metrics(r)[s]) for r in range(n)) / n
+        dropped = median([sum(dropped_share(run.metrics(r)[s]) for r in range(n)) / n
                           for s in range(5)])
         rows.append({"strategy": "ep", "ranks": n, "top_k": 1, "capacity_factor": factor,
                      "metric": "dropped share", "dropped": dropped})

@@ -216,8 +216,9 @@ def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, attention: st
     if lay.schedule in ("zb-h1", "zbv"):
         raise ValueError(f"the {lay.schedule} schedule's deferred weight gradients are not modelled")
     if lay.cp > 1 and attention != "ring":
-        raise ValueError("only ring attention's saved tensors are modelled under cp "
-                         "(all-gather attention keeps every rank's K and V)")
+        raise ValueError(f"only ring attention's saved tensors are modelled under cp, not "
+                         f"{attention!r}'s (the all-gather keeps every rank's K and V; Ulysses and "
+                         f"USP keep their heads' gathered tensors)")
     sched = schedules.build(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
     ranges, mine, n_stages = _stages(cfg, lay, pp_rank)
     b = global_batch // (lay.dp * lay.microbatches)
