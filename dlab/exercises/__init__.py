@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import html
 import inspect
+import linecache
+import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,7 +100,26 @@ def source_of(fn: Callable | str, helpers=()) -> str:
     function's; or ``fn`` itself when it is already source text."""
     if isinstance(fn, str):
         return textwrap.dedent(fn)
-    return "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in (*helpers, fn))
+    return "\n\n".join(textwrap.dedent(_source(f)) for f in (*helpers, fn))
+
+
+def _source(obj) -> str:
+    """``inspect.getsource``, and for a class defined in a notebook cell (which ``inspect``
+    cannot find: ``__main__`` has no file) the class's block in its methods' cell."""
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        if not inspect.isclass(obj):
+            raise
+    for attr in vars(obj).values():
+        code = getattr(getattr(attr, "__func__", attr), "__code__", None)
+        if code is None:
+            continue
+        lines = linecache.getlines(code.co_filename)
+        for i in range(code.co_firstlineno - 1, -1, -1):
+            if re.match(rf"\s*class {obj.__name__}\b", lines[i]):
+                return "".join(inspect.getblock(lines[i:]))
+    raise OSError(f"cannot find the source of {obj.__name__}: pass the code as a string instead")
 
 
 def define(source: str, name: str) -> Callable:
