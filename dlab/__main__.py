@@ -80,7 +80,7 @@ def _check(args) -> int:
 
 def _env(args) -> int:
     from dlab.env import format_report, report
-    info = report(measure=not args.no_measure)
+    info = report(measure=not args.no_measure, ranks=tuple(args.ranks))
     print(json.dumps(info, indent=1) if args.json else format_report(info))
     return 0
 
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("env", help="backends, devices, versions and the CPU's matmul peak")
     e.add_argument("--json", action="store_true")
     e.add_argument("--no-measure", action="store_true", help="skip the matmul peak measurement")
+    e.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8],
+                   help="say what these numbers of ranks do to timings here (default 2 4 8)")
     e.set_defaults(func=_env)
     lab = sub.add_parser("lab", help="JupyterLab on notebooks/ (as root and headless too); "
                                      "prints the URL with its token")

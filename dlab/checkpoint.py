@@ -157,7 +157,11 @@ class Checkpointer:
         partial = self.root / f".partial-step-{step:08d}"
         partial.mkdir(parents=True, exist_ok=True)
         info = _write(state, partial / name)
-        (partial / f"rank{self.rank}.done").write_text(json.dumps({name: info}))
+        # written aside, then renamed: rank 0 polls for this file and must never read it half
+        # written (a plain write_text let it read an empty file: "Expecting value")
+        tmp = partial / f".rank{self.rank}.done.tmp"
+        tmp.write_text(json.dumps({name: info}))
+        os.replace(tmp, partial / f"rank{self.rank}.done")
         if self.rank != 0:
             return
         files = {}

@@ -10,11 +10,37 @@ import torch.distributed as dist
 from dlab.metrics import measure_cpu_peak_flops
 
 
-def report(measure: bool = True) -> dict:
+def usable_cores() -> int:
+    """Cores this process may run on (a container or ``taskset`` may allow fewer than the
+    machine has; Colab's free machines have 2)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def sharing(ranks: tuple[int, ...], cores: int) -> str | None:
+    """What running each of ``ranks`` ranks (one thread each) on ``cores`` cores does to
+    timings, or None when every rank has a core of its own."""
+    over = [n for n in ranks if n > cores]
+    if not over:
+        return None
+    each = ", ".join(f"{n} ranks up to {n / cores:.1f}x" for n in over)
+    return (f"runs of more than {cores} ranks share the {cores} cores: ranks take turns, so a "
+            f"step's time includes waiting for a core ({each} the work's own time), a rank "
+            f"waiting in a collective lends its core to another, and MFU reads low. Compare "
+            f"times at the same number of ranks; losses, parameters and bytes are exact "
+            f"whatever the cores.")
+
+
+def report(measure: bool = True, ranks: tuple[int, ...] = (2, 4, 8)) -> dict:
+    cores = usable_cores()
     info = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_cores": os.cpu_count(),
+        "usable_cores": cores,
+        "core_sharing": sharing(ranks, cores),
         "backends": {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
                      "mpi": dist.is_mpi_available()},
         "cuda": torch.cuda.is_available(),
@@ -31,7 +57,8 @@ def report(measure: bool = True) -> dict:
 
 
 def format_report(info: dict) -> str:
-    lines = [f"python {info['python']}   torch {info['torch']}   {info['cpu_cores']} CPU cores",
+    lines = [f"python {info['python']}   torch {info['torch']}   {info['cpu_cores']} CPU cores "
+             f"({info['usable_cores']} usable here)",
              "backends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["backends"].items()),
              "GPUs: " + (", ".join(info["gpus"]) or "none"),
              f"backend='auto' means: {info['auto_backend']}"]
@@ -39,4 +66,6 @@ def format_report(info: dict) -> str:
         lines.append(f"CPU fp32 matmul peak: {info['cpu_fp32_gflops_1_thread']:.1f} GFLOP/s on 1 "
                      f"thread, {info['cpu_fp32_gflops_all_threads']:.1f} on all "
                      f"(the MFU denominator on CPU)")
+    if info["core_sharing"]:
+        lines.append("note: " + info["core_sharing"])
     return "\n".join(lines)

@@ -42,10 +42,11 @@ def _port_free(ip: str, port: int) -> bool:
 
 
 def command(port: int, ip: str = "127.0.0.1", token: str | None = None,
-            extra: list[str] | None = None) -> tuple[list[str], dict, str]:
-    """The JupyterLab command line, its environment and the URL (with the token) it serves."""
+            extra: list[str] | None = None, root=None) -> tuple[list[str], dict, str]:
+    """The JupyterLab command line, its environment and the URL (with the token) it serves;
+    ``root``: the directory it serves (default: the notebooks)."""
     token = token or secrets.token_hex(24)
-    cmd = [sys.executable, "-m", "jupyterlab", str(notebooks_dir()), f"--ServerApp.ip={ip}",
+    cmd = [sys.executable, "-m", "jupyterlab", str(root or notebooks_dir()), f"--ServerApp.ip={ip}",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")

@@ -48,10 +48,11 @@ def _comm_totals(strategy: Strategy) -> tuple[OpStats, dict[str, OpStats]]:
 
 def _dim_totals(strategy: Strategy) -> dict[str, OpStats]:
     out = {}
-    for dim, comm in strategy.comms_by_dim().items():
+    for dim, comms in strategy.comms_by_dim().items():
         out[dim] = OpStats()
-        for s in comm.stats.values():
-            out[dim].add(s)
+        for comm in comms if isinstance(comms, list) else [comms]:
+            for s in comm.stats.values():
+                out[dim].add(s)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The ``cp`` strategy trains exactly like ``single`` (ring, all-gather and Ulysses attention, zigzag and
+"""The ``cp`` strategy trains exactly like ``single`` (ring, all-gather, Ulysses and USP attention, zigzag and
 contiguous layouts, 2 and 4 ranks, and CP x DP), sends per step what ``dlab.estimate.context`` says, and
 refuses a configuration it cannot split before any process starts."""
 from __future__ import annotations
@@ -24,7 +24,8 @@ HEADS4 = {**CP_GPT, "model_options": {**CP_GPT["model_options"], "n_head": 4}}
 @pytest.mark.parametrize("attention,lay", [("ring", "zigzag"),
                                            pytest.param("ring", "contiguous", marks=pytest.mark.slow),
                                            ("allgather", "zigzag"),
-                                           pytest.param("ulysses", "zigzag", marks=pytest.mark.slow)])
+                                           pytest.param("ulysses", "zigzag", marks=pytest.mark.slow),
+                                           ("usp", "zigzag")])
 def test_cp_trains_like_single_and_sends_the_formula_bytes(attention, lay, world_size, runs_dir,
                                                            reference):
     cfg = HEADS4 if attention == "ulysses" else CP_GPT
@@ -33,7 +34,7 @@ def test_cp_trains_like_single_and_sends_the_formula_bytes(attention, lay, world
     assert_same_training(run, reference(**cfg))
     opts = cfg["model_options"]
     kv = est.kv_bytes(cfg["batch_size"], opts["seq_len"], opts["d_model"], world_size)
-    want = est.sent_per_step(attention, world_size, opts["n_layer"], kv, PARAM_BYTES)
+    want = est.sent_per_step(attention, world_size, opts["n_layer"], kv, PARAM_BYTES, ulysses=2)
     for rank in range(world_size):
         assert losses(run, rank) == losses(run, 0)
         assert all(m["comm"]["sent_bytes"] == want for m in run.metrics(rank))
@@ -59,7 +60,11 @@ def test_cp_refuses_what_cannot_be_split(runs_dir):
         dlab.launch("cp", 2, runs_dir=runs_dir, options={"attention": "flash"})
     with pytest.raises(ConfigError, match="option cp=3 must divide world_size=4"):
         dlab.launch("cp", 4, runs_dir=runs_dir, options={"cp": 3})
-    with pytest.raises(ConfigError, match="n_head=2 must be a multiple of cp"):
+    with pytest.raises(ConfigError, match="n_head=2 is not a multiple of cp=4"):
         dlab.launch("cp", 4, runs_dir=runs_dir, options={"attention": "ulysses"}, **CP_GPT)
+    with pytest.raises(ConfigError, match="option ulysses=3 must divide cp=4"):
+        dlab.launch("cp", 4, runs_dir=runs_dir, options={"attention": "usp", "ulysses": 3}, **CP_GPT)
+    with pytest.raises(ConfigError, match="n_head=2 is not a multiple of ulysses=4"):
+        dlab.launch("cp", 4, runs_dir=runs_dir, options={"attention": "usp", "ulysses": 4}, **CP_GPT)
     with pytest.raises(ConfigError, match="use model='gpt'"):
         dlab.launch("cp", 2, runs_dir=runs_dir, model="mlp")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers import TINY_GPT, assert_same_training
 
 import dlab
+from dlab.bench.expert import experts_seconds, rank_rows
 from dlab.config import ConfigError
 from dlab.models import moe
 from dlab.models.moe import MoE, MoEConfig, drop_over_capacity
@@ -102,6 +103,14 @@ def test_ep_trains_like_single_with_each_option(options, world_size, runs_dir, r
             assert got == want["moe"][what], (step, what)
     if "capacity_factor" in options:
         assert sum(map(sum, ref.metrics(0)[-1]["moe"]["dropped"])) > 0  # the option bites
+    # the rows each rank's experts computed (what bench expert's busiest-rank model reads) add
+    # up to the whole batch's kept assignments, and every rank timed its experts every step
+    for step, want in enumerate(ref.metrics(0)):
+        kept = sum(map(sum, want["moe"]["routed"])) - sum(map(sum, want["moe"]["dropped"]))
+        n_expert = config["model_options"]["n_expert"]
+        assert sum(rank_rows(run, world_size, n_expert, step)) == kept
+    for r in range(world_size):
+        assert set(experts_seconds(run, r)) == set(range(config["steps"])), r
 
 
 def test_moe_training_options_are_refused_where_not_built(runs_dir):

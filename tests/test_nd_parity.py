@@ -21,6 +21,7 @@ GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
 MOE = {**GPT, "model": "moe", "model_options": {**GPT["model_options"], "n_layer": 2,
                                                  "n_expert": 4, "top_k": 2}}
 SP = {"sequence_parallel": True}
+HEADS4 = {**GPT, "model_options": {**GPT["model_options"], "n_head": 4}}  # Ulysses under tp = 2
 
 FOUR = [  # pairs of dimensions, each with a different ZeRO stage or schedule; dp x zero3 x
     # tp+sp is slow here because the recomputation test below trains that layout by default, and
@@ -31,11 +32,14 @@ FOUR = [  # pairs of dimensions, each with a different ZeRO stage or schedule; d
     pytest.param(GPT, {"pp": 2, "cp": 2, "schedule": "interleaved"}, marks=pytest.mark.slow),
     pytest.param(GPT, {"cp": 2, "tp": 2, "zero": 2, **SP}, marks=pytest.mark.slow),
     pytest.param(GPT, {"dp": 2, "zero": 3, "pp": 2, "schedule": "zbv"}, marks=pytest.mark.slow),
+    (GPT, {"cp": 4, "attention": "usp", "ulysses": 2}),  # Ulysses in pairs, the ring across
+    pytest.param(HEADS4, {"cp": 2, "tp": 2, "attention": "ulysses", **SP}, marks=pytest.mark.slow),
 ]
 WIDE = [  # three or four dimensions at once
     (8, GPT, {"dp": 2, "zero": 3, "pp": 2, "tp": 2}),
     (8, GPT, {"pp": 2, "tp": 2, "cp": 2, **SP}),
     (8, GPT, {"dp": 2, "zero": 1, "pp": 2, "cp": 2, "attention": "allgather"}),
+    (8, HEADS4, {"pp": 2, "zero": 2, "cp": 4, "attention": "usp", "ulysses": 2}),
     (8, MOE, {"dp": 2, "cp": 2, "ep": 4, "tp": 2, "zero": 2, **SP}),
     (16, MOE, {"dp": 2, "pp": 2, "tp": 2, "cp": 2, "ep": 4, "zero": 1, **SP}),
 ]
@@ -61,7 +65,8 @@ def check(world, config, options, runs_dir, reference, reference_config=None):
     for r in range(world):
         pp_rank = r // (world // lay.pp)  # the mesh is row-major over (pp, dp, cp, tp)
         want = nd.model_state(mc, lay, pp_rank, cfg.optimizer)
-        sent = nd.step_bytes(mc, lay, cfg.batch_size, pp_rank, options.get("attention", "ring"))
+        sent = nd.step_bytes(mc, lay, cfg.batch_size, pp_rank, options.get("attention", "ring"),
+                             options.get("ulysses", 2))
         gpt = config["model"] == "gpt"
         modelled = gpt and lay.schedule not in ("zb-h1", "zbv") and (
             lay.cp == 1 or options.get("attention", "ring") == "ring")
@@ -112,6 +117,8 @@ def test_adam_state_without_zero_is_the_estimate(config, options, runs_dir):
     pytest.param(4, {"recompute": "selective"}, {"dp": 2, "zero": 3, "tp": 2, **SP},
                  marks=pytest.mark.slow),
     pytest.param(4, {"recompute": "selective"}, {"pp": 2, "cp": 2}, marks=pytest.mark.slow),
+    pytest.param(4, {"recompute": "selective"}, {"cp": 4, "attention": "usp", "ulysses": 2},
+                 marks=pytest.mark.slow),
     pytest.param(8, {"recompute": "full"}, {"pp": 2, "tp": 2, "cp": 2}, marks=pytest.mark.slow),
 ], ids=str)
 def test_recomputation_changes_nothing_but_memory_and_bytes(world, recompute, options, runs_dir,
@@ -136,6 +143,8 @@ def test_recomputation_changes_nothing_but_memory_and_bytes(world, recompute, op
     (4, MOE, {"cp": 2, "tp": 2, "ep": 4, **SP}, "ep=4 folds onto the dp x cp = 2"),
     (4, MOE, {"tp": 2, "ep": 2}, "need sequence_parallel=True"),
     (4, GPT, {"zero": 4}, "ZeRO has stages 0"),
+    (4, GPT, {"cp": 2, "tp": 2, "attention": "ulysses", **SP},
+     "n_head=2 / tp=2 = 1 is not a multiple of cp=2"),
 ])
 def test_bad_layouts_are_refused_before_start(world, config, options, match, runs_dir):
     with pytest.raises(ConfigError, match=match):

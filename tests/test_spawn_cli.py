@@ -47,3 +47,13 @@ def test_cli_env_reports_backends():
                           capture_output=True, text=True, timeout=60)
     info = json.loads(done.stdout)
     assert info["backends"]["gloo"] is True and info["auto_backend"]
+
+
+def test_env_says_what_sharing_cores_does_to_timings():
+    from dlab.env import sharing
+    assert sharing((2, 4), 4) is None  # a core per rank: nothing to say
+    note = sharing((2, 4, 8), 2)
+    assert "share the 2 cores" in note and "4 ranks up to 2.0x, 8 ranks up to 4.0x" in note
+    done = subprocess.run([sys.executable, "-m", "dlab", "env", "--no-measure", "--ranks", "64"],
+                          capture_output=True, text=True, timeout=60)
+    assert "64 ranks up to" in done.stdout and "usable here" in done.stdout

@@ -1,7 +1,8 @@
 """``python -m dlab bench context``: context parallelism on a long sequence.
 
 For ring and all-gather attention, zigzag and contiguous layouts, and Ulysses, at 2 and 4
-ranks: the peak activation bytes a rank saves for backward, the bytes it sends per step beside
+ranks, and USP (Ulysses in pairs, the ring across them) at 4: the peak activation bytes a rank
+saves for backward, the bytes it sends per step beside
 ``dlab.estimate.context``, and the median step time. The peer is ``single``, one process with
 the whole sequence: the ratio of activations is what context parallelism is for (ring: about
 1/n of it; all-gather: more, since every rank keeps the whole sequence's K and V). PyTorch's
@@ -62,7 +63,8 @@ def run(quick: bool = False) -> list[dict]:
     cfg = model_config("gpt", model)
     configs = [("ring", "zigzag", 2), ("allgather", "zigzag", 2)] if quick else [
         (a, lay, n) for n in (2, 4) for a, lay in
-        (("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"), ("ulysses", "zigzag"))]
+        (("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"), ("ulysses", "zigzag"))
+    ] + [("usp", "zigzag", 4)]
     rows = []
     with tempfile.TemporaryDirectory() as runs_dir:
         single = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, **common)
@@ -76,7 +78,7 @@ def run(quick: bool = False) -> list[dict]:
                     "seq_len": cfg.seq_len,
                     "sent_MB": median([m["comm"]["sent_bytes"] for m in run.metrics(0)]) / 1e6,
                     "sent_formula_MB": est.sent_per_step(attention, n, cfg.n_layer, kv,
-                                                         4 * cfg.n_params()) / 1e6,
+                                                         4 * cfg.n_params(), ulysses=2) / 1e6,
                     "work_ratio": round(max(work) / (sum(work) / n), 3)}
             rows.append(compared(_peak_activations(run, n), base_act, **what,
                                  metric="activation_bytes"))

@@ -55,7 +55,7 @@ import dataclasses
 import torch
 
 from dlab.estimate import activations as act
-from dlab.estimate import tensor
+from dlab.estimate import context, tensor
 from dlab.estimate.memory import padded
 from dlab.models import MODELS
 from dlab.models import recompute as rc
@@ -154,7 +154,7 @@ def tensor_counts(cfg, lay: Layout, pp_rank: int) -> tuple[int, int]:
 
 
 def step_bytes(cfg, lay: Layout, global_batch: int, pp_rank: int,
-               attention: str = "ring") -> dict[str, float]:
+               attention: str = "ring", ulysses: int = 1) -> dict[str, float]:
     """Bytes a rank at ``pp_rank`` sends in a step (ring model), by dimension, and ``total``
     (a GPT: a MoE's all-to-all depends on the routing, ``estimate.expert``)."""
     ranges, mine, n_stages = _stages(cfg, lay, pp_rank)
@@ -176,8 +176,8 @@ def step_bytes(cfg, lay: Layout, global_batch: int, pp_rank: int,
             out["tensor"] += 2 * (t - 1) / t * FP32 * _replicated(cfg, blocks, first, last)
     if c > 1:
         kv = 2 * b * tokens * (cfg.d_model // t) * FP32
-        out["context"] = (blocks * {"allgather": 2 * (c - 1), "ring": 3 * c - 2}[attention]
-                          + cores * (c - 1)) * kv
+        out["context"] = (blocks * context.layer_bytes(attention, c, kv, ulysses)
+                          + cores * context.forward_bytes(attention, c, kv, ulysses))
     boundary = a // (t if sp else 1)
     for s in mine:
         if s + 1 < n_stages and s + 1 not in mine:
@@ -216,8 +216,9 @@ def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, attention: st
     if lay.schedule in ("zb-h1", "zbv"):
         raise ValueError(f"the {lay.schedule} schedule's deferred weight gradients are not modelled")
     if lay.cp > 1 and attention != "ring":
-        raise ValueError("only ring attention's saved tensors are modelled under cp "
-                         "(all-gather attention keeps every rank's K and V)")
+        raise ValueError(f"only ring attention's saved tensors are modelled under cp, not "
+                         f"{attention!r}'s (the all-gather keeps every rank's K and V; Ulysses and "
+                         f"USP keep their heads' gathered tensors)")
     sched = schedules.build(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
     ranges, mine, n_stages = _stages(cfg, lay, pp_rank)
     b = global_batch // (lay.dp * lay.microbatches)

@@ -120,10 +120,11 @@ class Strategy:
         """The counting wrappers whose traffic this strategy generates."""
         return [self.ctx.comm]
 
-    def comms_by_dim(self) -> dict[str, Comm]:
+    def comms_by_dim(self) -> dict[str, Comm | list[Comm]]:
         """The same wrappers named by the parallel dimension whose traffic each carries (a
         strategy of several dimensions says which is which; the metrics then split the step's
-        bytes by dimension as ``comm_by_dim``). Empty: no split."""
+        bytes by dimension as ``comm_by_dim``; a dimension may talk over several, as USP's
+        context parallelism does). Empty: no split."""
         return {}
 
     # --- helpers shared by strategies -----------------------------------------------------

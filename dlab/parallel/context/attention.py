@@ -35,10 +35,21 @@ its owner. Every rank does exactly 1/n of the attention whatever the layout, and
 rank do not grow with n; the limit is the head count: n must divide it (with grouped-query
 attention, the KV heads). Each all-to-all's backward is the reverse all-to-all.
 
+``usp_attention`` (Unified Sequence Parallelism, Fang and Zhao 2024): the two composed. The cp
+group of n ranks is cut into n/u consecutive Ulysses groups of u ranks (inside a node, where the
+all-to-all is cheap) and the ranks at the same place of each group form rings of n/u (across
+nodes, where the ring's neighbour-only transfers hide behind compute). An all-to-all inside the
+Ulysses group gives each rank h/u heads of the group's u shares of tokens; those heads then run
+the ring over the groups, each group's tokens one ring block; a second all-to-all brings the
+output back. u = n is Ulysses, u = 1 the ring. It lifts Ulysses' limit (u, not n, must divide
+the heads) and cuts the ring's per-layer bytes from about 3n kv to about 3n/u kv + 4 kv.
+
 Bytes per layer and step, kv = bytes of one rank's K and V: all-gather (n-1) kv forward and a
 reduce-scatter of (n-1) kv backward; ring (n-1) kv forward, then (n-1) kv of blocks and n kv
 of gradient accumulators backward; Ulysses (n-1)/n of Q, K, V and the output (2 kv) forward
-and of their gradients backward, 4 (n-1)/n kv (``dlab.estimate.context``).
+and of their gradients backward, 4 (n-1)/n kv; USP 4 (u-1)/u kv inside the Ulysses group plus the
+ring's (3r - 2) kv over r = n/u groups (a ring block is h/u heads of u shares of tokens, kv
+again) (``dlab.estimate.context``).
 """
 from __future__ import annotations
 
@@ -264,3 +275,20 @@ def ulysses_attention(q, k, v, ring: Ring) -> torch.Tensor:
     mask = order[:, None] >= order[None, :]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device))
     return _AllToAll.apply(o, ring.comm, False)
+
+
+class Hybrid:
+    """One USP group: the ``heads`` Comm (this rank's Ulysses group, u consecutive cp ranks)
+    and the ``Ring`` over the groups (this rank and the ranks at its place in every other
+    group), whose block positions are each group's tokens, rank by rank, as the all-to-all
+    gathers them. ``positions``: every cp rank's."""
+
+    def __init__(self, heads: Comm, across: Comm, positions: list[torch.Tensor], timeline=None):
+        u = heads.size
+        groups = [torch.cat(positions[j * u:(j + 1) * u]) for j in range(len(positions) // u)]
+        self.heads, self.ring = heads, Ring(across, groups, timeline)
+
+
+def usp_attention(q, k, v, ring: Hybrid) -> torch.Tensor:
+    q, k, v = (_AllToAll.apply(t, ring.heads, True) for t in (q, k, v))
+    return _AllToAll.apply(ring_attention(q, k, v, ring.ring), ring.heads, False)

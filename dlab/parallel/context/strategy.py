@@ -12,8 +12,9 @@ different tokens of the same model.
 What it buys: activation memory per rank falls as 1/n with the ring (long sequences fit), at
 the price of K/V traffic per layer, which grows with the sequence, not with the model.
 
-``options``: ``attention`` = ``"ring"`` (default), ``"allgather"`` or ``"ulysses"`` (all-to-all
-to a head split: cp must divide n_head); ``layout`` = ``"zigzag"``
+``options``: ``attention`` = ``"ring"`` (default), ``"allgather"``, ``"ulysses"`` (all-to-all
+to a head split: cp must divide n_head) or ``"usp"`` (Ulysses inside groups of ``ulysses``
+consecutive cp ranks, default 2, the ring across the groups); ``layout`` = ``"zigzag"``
 (default) or ``"contiguous"``; ``cp`` = the context-parallel degree (default: every rank);
 ``reduce_scatter`` = ``"backend"`` (default) or ``"ring"`` (the all-gather attention's backward
 reduce-scatter by dlab's own ring, half the bytes of Gloo's). With fewer, the ranks form
@@ -31,10 +32,51 @@ from dlab.metrics import ActivationMeter
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, WholeModel, data_parallel_problems
 from dlab.parallel.context import layout
-from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention, ulysses_attention
+from dlab.parallel.context.attention import (
+    Hybrid,
+    Ring,
+    allgather_attention,
+    ring_attention,
+    ulysses_attention,
+    usp_attention,
+)
 from dlab.parallel.mesh import Mesh
 
-ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention,
+             "usp": usp_attention}
+ULYSSES = Option("int", "Ulysses ranks per group under attention='usp' (the ring runs across "
+                 "the groups)", default=2, minimum=1)
+
+
+def head_split(attention: str, cp: int, ulysses: int) -> int:
+    """Over how many ranks the attention splits the heads: cp for Ulysses, the Ulysses group
+    for USP, none for the ring and the all-gather."""
+    return {"ulysses": cp, "usp": ulysses}.get(attention, 1)
+
+
+def attention_problems(attention: str, n_head: int, cp: int, ulysses: int, tp: int = 1) -> list[str]:
+    """What makes ``attention`` impossible for ``n_head`` heads (cut over ``tp`` tensor-parallel
+    ranks first) on ``cp`` ranks, said with what to change."""
+    if attention == "usp" and cp % ulysses:
+        return [f"option ulysses={ulysses} must divide cp={cp} (USP cuts the cp ranks into "
+                f"groups of that many; the ring runs across the groups)"]
+    split, heads = head_split(attention, cp, ulysses), n_head // tp
+    if heads % split:
+        who = f"cp={cp}" if attention == "ulysses" else f"ulysses={ulysses}"
+        per_rank = f"n_head={n_head}" + (f" / tp={tp} = {heads}" if tp > 1 else "")
+        return [f"attention={attention!r} splits the heads over {split} ranks: {per_rank} is not "
+                f"a multiple of {who}; make it one (or use attention='ring')"]
+    return []
+
+
+def attention_core(attention: str, mesh: Mesh, positions: list, timeline=None, ulysses: int = 2):
+    """The attention core over ``mesh``'s cp dimension, and the Comms it talks over."""
+    if attention == "usp":
+        heads, across = mesh.folded(("cp",), ulysses)
+        return functools.partial(usp_attention, ring=Hybrid(heads, across, positions, timeline)), [
+            heads, across]
+    return (functools.partial(ATTENTION[attention], ring=Ring(mesh.comm("cp"), positions, timeline)),
+            [mesh.comm("cp")])
 
 
 def cp_options(config) -> tuple[str, str, int]:
@@ -43,10 +85,14 @@ def cp_options(config) -> tuple[str, str, int]:
             int(config.options.get("cp", config.world_size)))
 
 
+def ulysses_option(config) -> int:
+    return int(config.options.get("ulysses", 2))
+
+
 @register("cp")
 class ContextParallel(WholeModel):
-    """Context parallelism: each rank holds a share of every sequence; attention by ring or
-    all-gather."""
+    """Context parallelism: each rank holds a share of every sequence; attention by ring,
+    all-gather, Ulysses or USP."""
 
     OPTIONS = {
         "attention": Option("choice", "how attention sees the other ranks' keys and values",
@@ -54,6 +100,7 @@ class ContextParallel(WholeModel):
         "layout": Option("choice", "how a sequence is cut over the ranks", default="zigzag",
                          choices=layout.LAYOUTS),
         "cp": Option("int", "the context-parallel degree (default: every rank)", minimum=1),
+        "ulysses": ULYSSES,
         **REDUCE_SCATTER,
     }
 
@@ -71,10 +118,7 @@ class ContextParallel(WholeModel):
         pieces = layout.chunks(lay, cp)
         mc = config.model_config()
         seq_len = mc.seq_len
-        attention = cp_options(config)[0]
-        if attention == "ulysses" and mc.n_head % cp:
-            p.append(f"attention='ulysses' gives each of the cp={cp} ranks a share of the heads: "
-                     f"n_head={mc.n_head} must be a multiple of cp (or use attention='ring')")
+        p += attention_problems(cp_options(config)[0], mc.n_head, cp, ulysses_option(config))
         if seq_len % pieces:
             p.append(f"model option seq_len={seq_len} does not cut into {pieces} equal chunks "
                      f"({lay} layout at cp={cp}); use a multiple of {pieces}")
@@ -90,8 +134,8 @@ class ContextParallel(WholeModel):
         self.positions = positions[self.mesh.rank("cp")]
         self.model = self.build_model()
         self.mesh.comm("cp").reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
-        core = functools.partial(ATTENTION[attention],
-                                 ring=Ring(self.mesh.comm("cp"), positions, ctx.timeline))
+        core, self.attention_comms = attention_core(attention, self.mesh, positions, ctx.timeline,
+                                                    ulysses_option(ctx.config))
         for block in self.model.blocks:
             block.attn.core = core
         self.params = list(self.model.parameters())
@@ -116,4 +160,4 @@ class ContextParallel(WholeModel):
         return self.mean_loss(loss)
 
     def comms(self):
-        return [self.ctx.comm, self.mesh.comm("cp")]
+        return [self.ctx.comm, *self.attention_comms]

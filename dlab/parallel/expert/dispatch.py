@@ -20,6 +20,8 @@ and each sent row's expert index (``dlab.estimate.expert``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dlab.comm.instrumented import Comm
@@ -48,10 +50,13 @@ def all_to_all(x, comm: Comm, out_splits: list[int], in_splits: list[int]) -> to
 class ExpertParallelCombine:
     """Replaces ``MoE.combine`` on one rank: ``local`` are this rank's experts, by global
     index. The rows it sends to and receives from other ranks are counted for the byte
-    formula (they depend on the routing, so the formula takes them as inputs)."""
+    formula (they depend on the routing, so the formula takes them as inputs). Given a
+    ``timeline``, the local experts' forward is put on it as an ``experts`` span: the rank's
+    own expert work, which the router's balance sets and the next all-to-all waits for."""
 
-    def __init__(self, comm: Comm, local: dict[int, torch.nn.Module], n_expert: int):
-        self.comm, self.local = comm, local
+    def __init__(self, comm: Comm, local: dict[int, torch.nn.Module], n_expert: int,
+                 timeline=None):
+        self.comm, self.local, self.timeline = comm, local, timeline
         self.per_rank = n_expert // comm.size
         self.rows_sent = self.rows_received = 0
 
@@ -76,10 +81,11 @@ class ExpertParallelCombine:
         # rows * 0, not zeros: autograd must run both exchanges' backward on every rank, even
         # one whose experts got no rows this step, or the ranks' all-to-alls would not pair up
         done = rows * 0
-        for e, mlp in self.local.items():
-            mine = (row_expert == e).nonzero(as_tuple=True)[0]
-            if len(mine):
-                done = done.index_add(0, mine, mlp(rows[mine]))
+        with self.timeline.span("experts") if self.timeline else contextlib.nullcontext():
+            for e, mlp in self.local.items():
+                mine = (row_expert == e).nonzero(as_tuple=True)[0]
+                if len(mine):
+                    done = done.index_add(0, mine, mlp(rows[mine]))
         back = all_to_all(done, comm, in_splits, out_splits)
         out = torch.zeros_like(flat)
         return out.index_add(0, token, back * weight[:, None])

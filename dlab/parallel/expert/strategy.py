@@ -57,7 +57,7 @@ class ExpertParallel(Strategy):
                      if owner(e, n_expert, ctx.world_size) == ctx.rank}
             moe.experts = torch.nn.ModuleList(local.values())  # the others are dropped
             moe.first_expert = min(local)
-            combine = ExpertParallelCombine(ctx.comm, local, n_expert)
+            combine = ExpertParallelCombine(ctx.comm, local, n_expert, ctx.timeline)
             moe.combine = combine
             moe.sum_counts = self._sum_counts
             self.combines.append(combine)

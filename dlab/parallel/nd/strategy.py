@@ -6,7 +6,8 @@ expert parallelism folded onto the data ranks.
 ``dp`` (default: what the others leave), ``cp``, ``tp``, ``ep`` (degrees); ``zero`` (0-3 over
 the dp x cp data ranks); ``schedule`` (gpipe, 1f1b - default -, interleaved, zb-h1, zbv),
 ``microbatches`` (default 4 with pp > 1, else 1), ``virtual_stages``; ``sequence_parallel``;
-``attention`` (ring or allgather) and ``layout`` (zigzag or contiguous) for cp;
+``attention`` (ring, allgather, ulysses or usp, with ``ulysses`` its group size) and ``layout``
+(zigzag or contiguous) for cp;
 ``reduce_scatter`` (backend or ring) and ``recv_ahead``. The mesh and its order: ``layout.py``.
 
 One step, on every rank, is built from the single-dimension strategies' parts:
@@ -14,7 +15,7 @@ One step, on every rank, is built from the single-dimension strategies' parts:
 1. the model: the GPT built from the seed (``Strategy.build_model``), cut into this rank's
    tensor-parallel shard (``TensorParallelGPT``), its MoE layers' experts cut to this rank's
    E/ep with the all-to-all dispatch (``ExpertParallelCombine``), every attention core
-   replaced by the ring (or all-gather) over the cp group (``context.attention``), and the
+   replaced by the ring (all-gather, Ulysses, USP) over the cp group (``context.attention``); the
    blocks dealt out to pipeline stages by parameter count (``StageModule``, ``partition``);
 2. the data: this replica's rows of the global batch (by dp coordinate), this cp rank's
    tokens of each sequence (``context.layout.positions``), cut into m micro-batches;
@@ -33,8 +34,6 @@ what makes every layout train like ``single`` (tests/test_nd_parity.py).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
@@ -44,7 +43,7 @@ from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy
 from dlab.parallel.context import layout as cp_layout
-from dlab.parallel.context.attention import Ring, allgather_attention, ring_attention
+from dlab.parallel.context.strategy import ATTENTION, ULYSSES, attention_core, attention_problems
 from dlab.parallel.expert.dispatch import ExpertParallelCombine
 from dlab.parallel.expert.strategy import owner
 from dlab.parallel.mesh import Mesh
@@ -57,8 +56,6 @@ from dlab.parallel.pipeline.weight_grad import WeightGradStore, split_linears
 from dlab.parallel.tensor.model import TensorParallelGPT
 from dlab.parallel.tensor.strategy import all_reduce_grads, gather_shards
 from dlab.parallel.zero.sharded import UnitActivationMeter
-
-ATTENTION = {"ring": ring_attention, "allgather": allgather_attention}
 
 OPTIONS = {
     "dp": Option("int", "data-parallel replicas (default: world / (pp tp cp))", minimum=1),
@@ -76,6 +73,7 @@ OPTIONS = {
                                 "regions (Korthikanti et al.)", default=False),
     "attention": Option("choice", "context-parallel attention", default="ring",
                         choices=tuple(ATTENTION)),
+    "ulysses": ULYSSES,
     "layout": Option("choice", "how cp cuts a sequence", default="zigzag",
                      choices=cp_layout.LAYOUTS),
     "recv_ahead": Option("int", "pipeline receives kept posted ahead (default 2v on Gloo)",
@@ -95,6 +93,10 @@ class ND(Strategy):
         out = super().problems(config)
         lay = Layout.from_config(config)
         out += lay.problems(config)
+        if lay.cp > 1 and not out:
+            out += attention_problems(config.options.get("attention", "ring"),
+                                      config.model_config().n_head, lay.cp,
+                                      int(config.options.get("ulysses", 2)), lay.tp)
         if config.options.get("recv_ahead", 0) > 0 and config.resolved_backend() == "nccl":
             out.append("recv_ahead > 0 can deadlock on NCCL; use recv_ahead=0 with NCCL")
         return out
@@ -191,16 +193,18 @@ class ND(Strategy):
         raise KeyError(layer)
 
     def _context_parallel(self, model) -> torch.Tensor | None:
-        """This cp rank's token positions; every attention core becomes the ring over cp."""
+        """This cp rank's token positions; every attention core becomes the ring (or another
+        attention) over cp."""
         lay, cfg = self.lay, self.ctx.config
+        self.context_comms = []
         if lay.cp == 1:
             return None
         how = cfg.options.get("layout", "zigzag")
         seq_len = cfg.model_config().seq_len
         positions = [cp_layout.positions(how, seq_len, r, lay.cp).to(self.ctx.device)
                      for r in range(lay.cp)]
-        core = functools.partial(ATTENTION[cfg.options.get("attention", "ring")],
-                                 ring=Ring(self.mesh.comm("cp"), positions))
+        core, self.context_comms = attention_core(cfg.options.get("attention", "ring"), self.mesh,
+                                                  positions, ulysses=int(cfg.options.get("ulysses", 2)))
         for block in model.blocks:
             block.attn.core = core
         return positions[self.mesh.rank("cp")]
@@ -280,12 +284,13 @@ class ND(Strategy):
 
     def comms(self):
         extra = [self.data_comm, self.tied_comm, self.expert_comm, self.expert_data_comm]
-        return list(self.mesh.comms.values()) + [c for c in extra if c is not None]
+        return list(self.mesh.comms.values()) + [c for c in extra if c is not None] + [
+            c for c in self.context_comms if c is not self.mesh.comm("cp")]
 
     def comms_by_dim(self):
         """Named as ``estimate.nd.step_bytes`` names its terms (the mesh's own dp group carries
         nothing: the data reduction runs over the dp x cp ranks)."""
-        named = {"tensor": self.mesh.comm("tp"), "context": self.mesh.comm("cp"),
+        named = {"tensor": self.mesh.comm("tp"), "context": self.context_comms or self.mesh.comm("cp"),
                  "pipeline": self.mesh.comm("pp"), "tied": self.tied_comm, "data": self.data_comm,
                  "expert": self.expert_comm, "expert_data": self.expert_data_comm}
         return {k: c for k, c in named.items() if c is not None}

@@ -1,0 +1,187 @@
+"""The exercises that run on ranks: collectives from send/recv (01, 02), a data-parallel gradient
+average (03), a ZeRO-1 step (04), a column-parallel linear with its f (06), and an MoE all-to-all
+dispatch (09). Each ``run_*`` makes its inputs from (rank, world) alone, so the judge, in the
+notebook's process, rebuilds every rank's inputs and the reference from them."""
+from __future__ import annotations
+
+import torch
+
+from dlab.exercises import exercise, first_difference
+
+WORLD = 4
+
+
+def _values(rank: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randint(-9, 10, (n,), generator=g).float()
+
+
+def _per_rank(answers, want, what: str) -> str | None:
+    for r, (got, exp) in enumerate(zip(answers, want)):
+        wrong = first_difference(got, exp, what)
+        if wrong:
+            return f"rank {r}, {wrong}"
+    return None
+
+
+# --- 01: reduce-scatter from send/recv ----------------------------------------------------------
+def _chunks(rank: int, world: int) -> list[torch.Tensor]:
+    return [_values(rank, 3, seed=10 + c) for c in range(world)]
+
+
+def run_reduce_scatter(fn, rank, world):
+    return fn(_chunks(rank, world), rank, world)
+
+
+@exercise(name="reduce_scatter", notebook="01_collectives", ranks=WORLD, p2p_only=True,
+          task="reduce_scatter(chunks, rank, world_size): chunks[c] is this rank's contribution to "
+               "rank c; return the sum over all ranks of their chunk for this rank, with send/recv",
+          run=run_reduce_scatter)
+def judge_reduce_scatter(answers):
+    want = [sum(_chunks(r, WORLD)[me] for r in range(WORLD)) for me in range(WORLD)]
+    return _per_rank(answers, want, "the reduced chunk")
+
+
+# --- 02: ring all-reduce from send/recv ---------------------------------------------------------
+def run_ring_all_reduce(fn, rank, world):
+    x = _values(rank, 10, seed=2)  # 10 elements over 4 ranks: the chunks are not all equal
+    out = fn(x, rank, world)
+    return x if out is None else out
+
+
+@exercise(name="ring_all_reduce", notebook="02_allreduce_algorithms", ranks=WORLD, p2p_only=True,
+          task="ring_all_reduce(x, rank, world_size): every rank ends with the sum of all ranks' x "
+               "(a reduce-scatter then an all-gather around the ring), with send/recv",
+          run=run_ring_all_reduce)
+def judge_ring_all_reduce(answers):
+    total = sum(_values(r, 10, seed=2) for r in range(WORLD))
+    return _per_rank(answers, [total] * WORLD, "the sum")
+
+
+# --- 03: data parallelism: average the gradients ------------------------------------------------
+def _replica_and_batch(rank: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    g = torch.Generator().manual_seed(50 + rank)
+    return model, torch.randn(5, 4, generator=g), torch.randn(5, 1, generator=g)
+
+
+def run_average_gradients(fn, rank, world):
+    model, x, y = _replica_and_batch(rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    fn(model, world)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@exercise(name="average_gradients", notebook="03_data_parallel", ranks=2,
+          task="average_gradients(model, world_size): after backward, make every replica's "
+               "gradients the mean over the ranks (what DDP does)",
+          run=run_average_gradients)
+def judge_average_gradients(answers):
+    model, _, _ = _replica_and_batch(0)
+    batches = [_replica_and_batch(r)[1:] for r in range(len(answers))]
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    torch.nn.functional.mse_loss(model(x), y).backward()  # the whole batch in one process
+    names = [n for n, _ in model.named_parameters()]
+    for r, grads in enumerate(answers):
+        for name, got, p in zip(names, grads, model.parameters()):
+            wrong = first_difference(got, p.grad, f"gradient of {name}")
+            if wrong:
+                return f"rank {r}, {wrong} (one process on the whole batch gives the expected)"
+    return None
+
+
+# --- 04: a ZeRO-1 step --------------------------------------------------------------------------
+LR = 0.1
+
+
+def run_zero1_step(fn, rank, world):
+    params = _values(0, 8, seed=4)  # the same replica everywhere
+    return fn(params.clone(), _values(rank, 8, seed=5), LR, rank, world)
+
+
+@exercise(name="zero1_step", notebook="04_zero_fsdp", ranks=2,
+          task="zero1_step(params, grads, lr, rank, world_size): reduce-scatter the gradients "
+               "(mean over ranks), SGD-update only this rank's 1/N shard, all-gather the "
+               "parameters; return the full updated parameters",
+          run=run_zero1_step)
+def judge_zero1_step(answers):
+    n = len(answers)
+    mean = sum(_values(r, 8, seed=5) for r in range(n)) / n
+    want = _values(0, 8, seed=4) - LR * mean
+    return _per_rank(answers, [want] * n, "the updated parameters")
+
+
+# --- 06: column-parallel linear with its f ------------------------------------------------------
+def _linear_inputs():
+    g = torch.Generator().manual_seed(6)
+    return (torch.randn(3, 4, generator=g), torch.randn(6, 4, generator=g),
+            torch.randn(6, generator=g), torch.randn(3, 6, generator=g))
+
+
+def run_column_parallel(fn, rank, world):
+    x, w, b, up = _linear_inputs()
+    rows = slice(rank * 6 // world, (rank + 1) * 6 // world)  # this rank's output features
+    x = x.clone().requires_grad_()
+    y = fn(x, w[rows].clone(), b[rows].clone())
+    (y * up[:, rows]).sum().backward()  # the loss's share of this rank's outputs
+    return y.detach(), x.grad
+
+
+@exercise(name="column_parallel_linear", notebook="06_tensor_sequence", ranks=2,
+          task="column_parallel_linear(x, w_shard, b_shard): this rank's output features "
+               "x @ w_shard.T + b_shard, with x passed through f (identity forward, all-reduce of "
+               "the input's gradient backward)",
+          run=run_column_parallel)
+def judge_column_parallel(answers):
+    x, w, b, up = _linear_inputs()
+    x.requires_grad_()
+    y = x @ w.T + b
+    (y * up).sum().backward()
+    n = len(answers)
+    for r, (got_y, got_dx) in enumerate(answers):
+        rows = slice(r * 6 // n, (r + 1) * 6 // n)
+        wrong = (first_difference(got_y, y.detach()[:, rows], "output")
+                 or first_difference(got_dx, x.grad, "gradient of x (does f all-reduce it?)"))
+        if wrong:
+            return f"rank {r}, {wrong}"
+    return None
+
+
+# --- 09: MoE all-to-all dispatch ----------------------------------------------------------------
+N_EXPERT = 4
+
+
+def _tokens(rank: int):
+    g = torch.Generator().manual_seed(90 + rank)
+    return torch.randn(6, 2, generator=g), torch.randint(0, N_EXPERT, (6,), generator=g)
+
+
+def run_dispatch(fn, rank, world):
+    x, expert = _tokens(rank)
+    rows, row_expert = fn(x, expert, N_EXPERT, rank, world)
+    return rows, row_expert
+
+
+@exercise(name="dispatch", notebook="09_expert_parallel", ranks=2,
+          task="dispatch(x, expert, n_expert, rank, world_size): send every row of x to the rank "
+               "that owns its expert (rank e // (n_expert / world_size)) with all_to_all_single; "
+               "return (rows received, their experts), from rank 0's first, each sender's rows "
+               "sorted by expert (stable)",
+          run=run_dispatch)
+def judge_dispatch(answers):
+    n = len(answers)
+    per = N_EXPERT // n
+    for me, (rows, row_expert) in enumerate(answers):
+        want_rows, want_experts = [], []
+        for src in range(n):
+            x, expert = _tokens(src)
+            order = torch.argsort(expert, stable=True)
+            mine = order[expert[order] // per == me]
+            want_rows.append(x[mine])
+            want_experts.append(expert[mine])
+        wrong = (first_difference(row_expert, torch.cat(want_experts), "experts of the rows received")
+                 or first_difference(rows, torch.cat(want_rows), "rows received"))
+        if wrong:
+            return f"rank {me}, {wrong}"
+    return None

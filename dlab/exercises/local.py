@@ -1,0 +1,188 @@
+"""The exercises that run in the notebook's own process: the rows a rank takes (00), the 1F1B
+order (05), resharding a checkpoint (07), the online-softmax merge (08), a mesh's groups (10),
+ZeRO's model states (11), and top-k with error feedback (12). Each is checked on several cases
+against dlab's own implementation or a direct computation."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from dlab.exercises import exercise, first_difference
+
+
+# --- 00: which rows a rank takes ----------------------------------------------------------------
+def run_shard_rows(fn):
+    return {(b, r, n): list(fn(b, r, n)) for b, n in ((8, 2), (12, 4), (6, 3)) for r in range(n)}
+
+
+@exercise(name="shard_rows", notebook="00_start_here",
+          task="shard_rows(batch_size, rank, world_size): the rows of the global batch this rank "
+               "trains on (contiguous, equal shares, as dlab.data.shard cuts them)",
+          run=run_shard_rows)
+def judge_shard_rows(answer):
+    from dlab.data import shard
+    for (b, r, n), got in answer.items():
+        want = shard((torch.arange(b),), r, n)[0].tolist()
+        if got != want:
+            return f"batch {b}, rank {r} of {n}: expected rows {want}, got {got}"
+    return None
+
+
+# --- 05: the 1F1B order -------------------------------------------------------------------------
+def run_one_f_one_b(fn):
+    return {(p, m, s): [tuple(a) for a in fn(s, p, m)] for p, m in ((4, 6), (3, 2), (2, 5))
+            for s in range(p)}
+
+
+@exercise(name="one_f_one_b", notebook="05_pipeline",
+          task="one_f_one_b(stage, n_stages, microbatches): this stage's compute order as "
+               "('F', i) / ('B', i) pairs: warm-up forwards, one forward one backward, drain",
+          run=run_one_f_one_b)
+def judge_one_f_one_b(answer):
+    from dlab.parallel.pipeline import schedules
+    for (p, m, s), got in answer.items():
+        want = [("F" if a.kind == "forward" else "B", a.mb)
+                for a in schedules.one_f_one_b(p, m).compute(s)]
+        for i, (g, w) in enumerate(itertools.zip_longest(got, want)):
+            if g != w:
+                return (f"{p} stages, {m} micro-batches, stage {s}, action {i}: expected "
+                        f"{w[0] + str(w[1]) if w else 'nothing'}, got {g[0] + str(g[1]) if g else 'nothing'}")
+    return None
+
+
+# --- 07: resharding a flat checkpoint -----------------------------------------------------------
+def _flat_cases():
+    for numel, n, m in ((10, 4, 3), (12, 3, 4), (7, 2, 5), (9, 4, 2)):
+        size = math.ceil(numel / n)
+        flat = torch.arange(1.0, numel + 1)
+        padded = torch.cat([flat, torch.zeros(size * n - numel)])
+        yield numel, m, list(padded.split(size))
+
+
+def run_reshard(fn):
+    return {(numel, len(shards), m): fn(shards, numel, m) for numel, m, shards in _flat_cases()}
+
+
+@exercise(name="reshard", notebook="07_checkpointing_faults",
+          task="reshard(shards, numel, m): the n equal shards of a zero-padded flat tensor of "
+               "numel elements, cut again into m equal shards (zero-padded to a multiple of m)",
+          run=run_reshard)
+def judge_reshard(answer):
+    for (numel, n, m), got in answer.items():
+        size = math.ceil(numel / m)
+        want = list(torch.cat([torch.arange(1.0, numel + 1), torch.zeros(size * m - numel)]).split(size))
+        if len(got) != m:
+            return f"{numel} elements from {n} to {m} shards: expected {m} shards, got {len(got)}"
+        for j, (g, w) in enumerate(zip(got, want)):
+            wrong = first_difference(g, w, f"{numel} elements from {n} to {m} shards, shard {j}")
+            if wrong:
+                return wrong
+    return None
+
+
+# --- 08: the online-softmax merge ---------------------------------------------------------------
+def _partial(q, k, v, mask):
+    s = (q @ k.T).masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(s - safe[:, None]) @ v, lse
+
+
+def run_merge(fn):
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(6, 3, generator=g) for _ in range(3))
+    causal = torch.ones(6, 6).tril().bool()  # query i sees keys 0..i: row 0 sees none of 3..5
+    o1, l1 = _partial(q, k[:3], v[:3], causal[:, :3])
+    o2, l2 = _partial(q, k[3:], v[3:], causal[:, 3:])
+    return fn(o1, l1, o2, l2), (q, k, v, causal)
+
+
+@exercise(name="merge", notebook="08_context_parallel",
+          task="merge(o1, lse1, o2, lse2): the attention output and log-sum-exp over both key "
+               "blocks, from each block's partial output and log-sum-exp (lse may be -inf: a row "
+               "that sees no key of that block)",
+          run=run_merge)
+def judge_merge(answer):
+    (o, lse), (q, k, v, causal) = answer
+    want_o, want_lse = _partial(q, k, v, causal)
+    return first_difference(o, want_o, "output") or first_difference(lse, want_lse, "log-sum-exp")
+
+
+# --- 10: a mesh's groups ------------------------------------------------------------------------
+def run_mesh_groups(fn):
+    cases = [({"dp": 2, "tp": 2}, "tp"), ({"dp": 2, "tp": 2}, "dp"),
+             ({"pp": 2, "dp": 2, "tp": 2}, "dp"), ({"pp": 2, "dp": 3, "cp": 2}, "pp")]
+    return {(tuple(d.items()), dim): fn(d, dim) for d, dim in cases}
+
+
+@exercise(name="mesh_groups", notebook="10_nd_parallelism",
+          task="mesh_groups(dims, dim): the groups of ranks along dim of a row-major mesh (the "
+               "last dimension fastest), each sorted, the groups ordered by their first rank",
+          run=run_mesh_groups)
+def judge_mesh_groups(answer):
+    for (dims, dim), got in answer.items():
+        names = [d for d, _ in dims]
+        sizes = dict(dims)
+        ranks = torch.arange(math.prod(sizes.values())).view(*sizes.values())
+        moved = ranks.movedim(names.index(dim), -1).reshape(-1, sizes[dim])
+        want = sorted(row.tolist() for row in moved)
+        if sorted(map(list, got)) != want:
+            return f"mesh {dict(dims)}, groups along {dim!r}: expected {want}, got {got}"
+    return None
+
+
+# --- 11: ZeRO's model states --------------------------------------------------------------------
+def run_zero_memory(fn):
+    return {(psi, n, s): fn(psi, n, s) for psi in (7.5e9, 1e9) for n in (1, 8, 64) for s in range(4)}
+
+
+@exercise(name="zero_memory", notebook="11_planning_at_scale",
+          task="zero_memory(psi, n, stage): bytes of model states per GPU for psi parameters on n "
+               "data-parallel GPUs, mixed-precision Adam (2 + 2 + 12 bytes per parameter), ZeRO "
+               "stage 0-3 (Rajbhandari et al. 2020, fig. 1)",
+          run=run_zero_memory)
+def judge_zero_memory(answer):
+    from dlab.estimate.memory import paper_memory
+    for (psi, n, s), got in answer.items():
+        want = sum(paper_memory(psi, n, s).values())
+        if not math.isclose(got, want, rel_tol=1e-9):
+            return (f"psi = {psi:g}, n = {n}, stage {s}: expected {want / 2**30:.2f} GiB, got "
+                    f"{got / 2**30:.2f} GiB")
+    return None
+
+
+# --- 12: top-k with error feedback --------------------------------------------------------------
+def run_topk(fn):
+    g = torch.Generator().manual_seed(12)
+    grads = [torch.randn(10, generator=g) for _ in range(3)]
+    error, steps = torch.zeros(10), []
+    for grad in grads:  # three steps: the memory carries what was not sent
+        values, indices, error = fn(grad, error.clone(), 3)
+        steps.append((values, indices, error))
+    return grads, steps
+
+
+@exercise(name="topk_feedback", notebook="12_what_breaks_at_scale",
+          task="topk_feedback(grad, error, k): add the memory to the gradient, send the k entries "
+               "of largest magnitude as (values, indices), and return them with the new memory "
+               "(the sum with those entries zeroed)",
+          run=run_topk)
+def judge_topk(answer):
+    grads, steps = answer
+    error = torch.zeros(10)
+    for t, (grad, (values, indices, got_error)) in enumerate(zip(grads, steps)):
+        acc = grad + error
+        want_idx = acc.abs().topk(3).indices
+        sent = torch.zeros(10)
+        sent[indices.long()] = values
+        want_sent = torch.zeros(10)
+        want_sent[want_idx] = acc[want_idx]
+        error = acc.clone()
+        error[want_idx] = 0
+        wrong = (first_difference(sent, want_sent, f"step {t}, what is sent (as a dense vector)")
+                 or first_difference(got_error, error, f"step {t}, the new memory"))
+        if wrong:
+            return wrong
+    return None

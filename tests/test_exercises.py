@@ -1,0 +1,102 @@
+"""Every checked exercise (``dlab.exercises``): the checker passes the reference solution in
+``docs/instructor/solutions/`` and rejects a typical mistake with a message that says what is
+wrong (which rank, which element or step, expected against got)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dlab.exercises import (
+    EXERCISES,
+    catalogue,  # noqa: F401
+    check,
+)
+
+SOLUTIONS = Path(__file__).resolve().parent.parent / "docs" / "instructor" / "solutions"
+
+MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report must say)
+    "shard_rows": ("def shard_rows(batch_size, rank, world_size):\n"
+                   "    return range(rank, batch_size, world_size)\n",
+                   "batch 8, rank 0 of 2: expected rows [0, 1, 2, 3], got [0, 2, 4, 6]"),
+    "reduce_scatter": ("def reduce_scatter(chunks, rank, world_size):\n"
+                       "    out = torch.empty_like(chunks[rank])\n"
+                       "    dist.reduce_scatter(out, chunks)\n    return out\n",
+                       "raised RuntimeError: dist.reduce_scatter is off limits"),
+    "ring_all_reduce": (  # the reduce-scatter half only: each rank holds one full chunk
+        "def ring_all_reduce(x, rank, world_size):\n"
+        "    chunks = list(x.tensor_split(world_size))\n"
+        "    right, left = (rank + 1) % world_size, (rank - 1) % world_size\n"
+        "    for step in range(world_size - 1):\n"
+        "        send, recv = (rank - step) % world_size, (rank - step - 1) % world_size\n"
+        "        buf = torch.empty_like(chunks[recv])\n"
+        "        req = dist.isend(chunks[send].clone(), dst=right)\n"
+        "        dist.recv(buf, src=left)\n        req.wait()\n        chunks[recv] += buf\n"
+        "    return x\n", "rank 0, the sum: element 0: expected"),
+    "average_gradients": ("def average_gradients(model, world_size):\n"
+                          "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n",
+                          "rank 0, gradient of 0.weight: element (0, 0): expected"),
+    "zero1_step": ("def zero1_step(params, grads, lr, rank, world_size):\n"
+                   "    return params - lr * grads\n",  # no reduction: each rank its own step
+                   "the updated parameters: element"),
+    "one_f_one_b": ("def one_f_one_b(stage, n_stages, microbatches):\n"  # GPipe's order
+                    "    return [('F', i) for i in range(microbatches)] + "
+                    "[('B', i) for i in range(microbatches)]\n",
+                    "4 stages, 6 micro-batches, stage 0, action 4: expected B0, got F4"),
+    "column_parallel_linear": ("def column_parallel_linear(x, w_shard, b_shard):\n"
+                               "    return x @ w_shard.T + b_shard\n",  # f forgotten
+                               "rank 0, gradient of x (does f all-reduce it?): element (0, 0)"),
+    "reshard": ("def reshard(shards, numel, m):\n"  # cut without padding
+                "    return list(torch.cat(shards)[:numel].chunk(m))\n",
+                "10 elements from 4 to 3 shards, shard 2: shape (2,), expected (4,)"),
+    "merge": ("def merge(o1, lse1, o2, lse2):\n"
+              "    return (o1 + o2) / 2, torch.logaddexp(lse1, lse2)\n", "output: element (0, 0)"),
+    "dispatch": ("def dispatch(x, expert, n_expert, rank, world_size):\n"  # rows not sorted
+                 "    send = torch.bincount(expert // (n_expert // world_size), minlength=world_size)\n"
+                 "    recv = torch.empty_like(send)\n    dist.all_to_all_single(recv, send)\n"
+                 "    rows = x.new_empty(int(recv.sum()), x.shape[1])\n"
+                 "    dist.all_to_all_single(rows, x, recv.tolist(), send.tolist())\n"
+                 "    row_expert = expert.new_empty(int(recv.sum()))\n"
+                 "    dist.all_to_all_single(row_expert, expert, recv.tolist(), send.tolist())\n"
+                 "    return rows, row_expert\n", "experts of the rows received: element"),
+    "mesh_groups": ("def mesh_groups(dims, dim):\n"  # the first dimension taken as the fastest
+                    "    import itertools\n    names, sizes = list(dims), list(dims.values())\n"
+                    "    strides = [math.prod(sizes[:i]) for i in range(len(sizes))]\n"
+                    "    k = names.index(dim)\n"
+                    "    others = [range(s) if i != k else [0] for i, s in enumerate(sizes)]\n"
+                    "    return sorted([sum(c * st for c, st in zip(cs, strides)) + j * strides[k]"
+                    " for j in range(sizes[k])] for cs in itertools.product(*others))\n",
+                    "mesh {'dp': 2, 'tp': 2}, groups along 'tp': expected [[0, 1], [2, 3]], got"),
+    "zero_memory": ("def zero_memory(psi, n, stage):\n"  # the stages off by one
+                    "    p, g, o = 2 * psi, 2 * psi, 12 * psi\n"
+                    "    return p / (n if stage >= 2 else 1) + g / (n if stage >= 1 else 1)"
+                    " + o / (n if stage >= 1 else 1)\n", "n = 8, stage 1: expected"),
+    "topk_feedback": ("def topk_feedback(grad, error, k):\n"  # no memory: the rest is lost
+                      "    idx = grad.abs().topk(k).indices\n"
+                      "    return grad[idx], idx, torch.zeros_like(grad)\n",
+                      "step 0, the new memory: element"),
+}
+
+
+def test_every_exercise_has_a_solution_and_a_mistake():
+    assert set(EXERCISES) == set(MISTAKES) == {p.stem for p in SOLUTIONS.glob("*.py")}
+    notebooks = {ex.notebook for ex in EXERCISES.values()}
+    assert len(notebooks) == 13  # one per notebook, 00 to 12
+
+
+@pytest.mark.parametrize("name", sorted(MISTAKES))
+def test_the_checker_passes_the_solution_and_names_the_mistake(name, runs_dir):
+    solution = check(name, (SOLUTIONS / f"{name}.py").read_text(), runs_dir=str(runs_dir))
+    assert solution.ok, solution
+    wrong, says = MISTAKES[name]
+    report = check(name, wrong, runs_dir=str(runs_dir))
+    assert not report.ok and says in report.message, report
+    if "raised" in says:  # every rank raised: the report names one of them
+        assert report.message.startswith("rank "), report
+
+
+def test_an_unwritten_exercise_says_what_to_write():
+    def ring_all_reduce(x, rank, world_size):
+        raise NotImplementedError
+    report = check("ring_all_reduce", ring_all_reduce)
+    assert not report.ok and report.message.startswith("not written yet: ring_all_reduce(x, rank")
