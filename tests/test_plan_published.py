@@ -85,3 +85,18 @@ def test_the_plan_counts_the_collectives_a_run_makes(options, tmp_path):
         for dim, calls in want.items():
             per_call = 2 if dim == "cp" else 1  # a ring pass is a send and a receive
             assert sum(c[2] for c in calls) * per_call == booked[names[dim]]["calls"], (rank, dim)
+
+
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) >= 4, reason="needs 4 ranks to outnumber the cores")
+def test_with_ranks_outnumbering_cores_a_collective_costs_far_more_than_its_wire_time(tmp_path):
+    """The probe behind "this machine" at 4 ranks: every op the planner charges, for every group
+    size, and an all-reduce over 4 ranks at least 10x what the fitted link says (the hand-offs
+    between processes sharing cores, not the bytes, are the cost)."""
+    from dlab.plan import calibrate
+    calls = calibrate.collective_probe(4, repeats=5, trials=1, runs_dir=tmp_path)
+    assert {(op, g) for op, g, _, _ in calls} == {(op, g) for op in calibrate.OPS for g in (2, 4)}
+    machine = clusters.this_machine(peak=1e10, ranks=4, calls=calls)
+    link = machine.intra
+    wire = 2 * 3 / 4 * calibrate.PROBE_SIZES[0] / link.bandwidth + 2 * 3 * link.alpha
+    assert machine.call_seconds("all_reduce", 4, calibrate.PROBE_SIZES[0]) > 10 * wire
+    assert calibrate.collective_probe(2, runs_dir=tmp_path) == ()

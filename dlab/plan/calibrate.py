@@ -11,19 +11,22 @@ Three measurements, none of them a run the planner is then checked against:
 - the link: the alpha-beta fit of ``python -m dlab bench allreduce`` (``cluster.fitted_link``).
 - ``collective_probe``: with more ranks than cores, a collective is not a message on a wire but
   a chain of hand-offs between processes that take turns on the cores: each ring step waits
-  for the next rank to be scheduled, and a rank waiting in Gloo spins a little before it
-  sleeps, taking core time from the rank it waits for. On 2 cores a 16 KiB all-reduce over 4
-  ranks takes about 5 ms, 50 times its wire time, and over 8 ranks about 15 ms; Gloo's
-  reduce-scatter costs an all-reduce. No link model predicts that, so the probe measures it:
-  every rank in a group of g consecutive ranks (each g dividing the world), all groups calling
-  at once, each op the lab uses (all-reduce, all-gather, reduce-scatter, a ring pass of
-  send and receive) at two payloads. ``Cluster.calls`` keeps a fixed part and a part per byte
-  per (op, g); the planner charges every blocking collective of a step with it.
+  for the next rank to be scheduled, and the waiting ranks burn core time too (a 4 KiB
+  all-reduce over 4 ranks on 2 cores costs each rank about 2 ms of CPU, ``time.process_time``,
+  and 6 ms of wall time: 50 times its wire time). No link model predicts that, so the probe
+  measures it: every rank in a group of g consecutive ranks (each g dividing the world), every
+  group at once, each rank alternating a piece of compute (about a layer's share, 1.4 ms alone)
+  with one call, for each op the lab uses (all-reduce, all-gather, reduce-scatter, a ring pass
+  of send and receive) at two payloads; a call costs the round less the compute's even share
+  of the cores. ``Cluster.calls`` keeps a fixed part and a part per byte per (op, g); the
+  planner charges every blocking collective of a step with it (``time.collective_calls``
+  counts them).
 
 What none of them sees, and the bench shows as error: the lab's own bookkeeping per step
-(meters, the timeline, the optimizer's Python), a collective whose ranks arrive at different
-times (the probe's arrive together), and how the cores are shared when some ranks compute
-while others wait.
+(meters, the timeline, the optimizer's Python); a pipeline, whose idle stages leave the cores
+to the busy ones, so that its collectives meet fewer competitors than the probe's (pipelines
+with tensor parallelism read up to a third or more too slow); and the probe's own spread from
+run to run (a ring pass at 4 ranks measured 0.8-2 ms on different runs).
 """
 from __future__ import annotations
 
@@ -114,10 +117,11 @@ def _call(op: str, x, buf, group, ring: tuple[int, int], a, work: int):
     return a
 
 
-def _collective_rounds(repeats: int, work: int) -> dict:
+def _collective_rounds(repeats: int, work: int, trials_: int) -> dict:
     """Seconds per round (a piece of compute, then a call) of every op on groups of every size
     that divides the world, every rank in a group of that size (consecutive ranks, as ``nd``
-    lays out its fastest dimensions)."""
+    lays out its fastest dimensions): the median of ``trials_`` runs of ``repeats`` rounds
+    (the cores' sharing swings from one run to the next)."""
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -131,16 +135,20 @@ def _collective_rounds(repeats: int, work: int) -> dict:
         for size in PROBE_SIZES:
             x, buf = torch.zeros(size // 4), torch.zeros(size // 4)
             for op in OPS:
-                _call(op, x, buf, groups[rank // g], ring, a, work)
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    a = _call(op, x, buf, groups[rank // g], ring, a, work)
-                out[(op, g, size)] = (time.perf_counter() - start) / repeats
+                a = _call(op, x, buf, groups[rank // g], ring, a, work)
+                trials = []
+                for _ in range(trials_):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(repeats):
+                        a = _call(op, x, buf, groups[rank // g], ring, a, work)
+                    trials.append((time.perf_counter() - start) / repeats)
+                out[(op, g, size)] = statistics.median(trials)
     return out
 
 
-def collective_probe(world: int, work: int = 16, repeats: int = 20, runs_dir: str = "runs") -> tuple:
+def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int = 5,
+                     runs_dir: str = "runs") -> tuple:
     """``Cluster.calls`` at ``world`` ranks: per (op, group size), the fixed seconds and the
     seconds per payload byte of one blocking collective, fitted through two payloads. Each
     rank alternates ``work`` pieces of compute (about a layer's share, 1-2 ms alone) with the
@@ -151,7 +159,7 @@ def collective_probe(world: int, work: int = 16, repeats: int = 20, runs_dir: st
     if world <= cores:
         return ()
     share = _work_seconds(work) * world / cores
-    per_rank = dlab.spawn(_collective_rounds, world, repeats, work, runs_dir=runs_dir)
+    per_rank = dlab.spawn(_collective_rounds, world, repeats, work, trials, runs_dir=runs_dir)
     small, large = PROBE_SIZES
     rows = []
     for op, g, size in per_rank[0]:
