@@ -2,7 +2,8 @@
 
 First the "this machine" preset is measured for the bench's model (``dlab.plan.calibrate``:
 one thread's rate and fixed cost per layer on that model, in this process; the fitted link;
-what a blocking collective waits at 4 and 8 ranks on these cores). Then every layout of
+what each kind of blocking collective costs at 4 and 8 ranks on these cores, rows "(probe)":
+one call's milliseconds at a 256 KiB payload, a layer's activation of the bench's model). Then every layout of
 ``python -m dlab bench nd`` (the 4- and 8-rank grid; ``--quick``: three 4-rank layouts) runs
 under ``nd`` and its fullest rank's figures are set beside ``dlab.plan.plan`` of the same
 layout: model state and bytes sent (exact, so the error is 0), the activation peak, and the
@@ -19,6 +20,8 @@ from dlab.models.gpt import GPTConfig
 from dlab.plan import calibrate, plan
 from dlab.plan.layout import PlanLayout
 from dlab.plan.spec import from_gpt
+
+PAYLOAD = 256 << 10
 
 
 def plan_layout(options: dict, recompute: str = "none") -> PlanLayout:
@@ -50,8 +53,11 @@ def run(quick: bool = False) -> list[dict]:
         machines = {w: calibrate.this_machine(cfg, w, runs_dir=runs_dir) for w in worlds}
         for w, c in machines.items():
             rows.append({"layout": "(calibration)", "ranks": w, "rate_GFLOPs": c.peak / 1e9,
-                         "layer_overhead_ms": c.layer_overhead * 1e3, "sync_ms": c.sync * 1e3,
+                         "layer_overhead_ms": c.layer_overhead * 1e3,
                          "alpha_us": c.intra.alpha * 1e6, "link_GBs": c.intra.bandwidth / 1e9})
+            rows += [{"layout": f"(probe) {op} over {g}", "ranks": w,
+                      "call_ms": (fixed + per_byte * PAYLOAD) * 1e3}
+                     for op, g, fixed, per_byte in c.calls]
         grid = [(4, o) for o in QUICK] if quick else [(w, o) for w in worlds for o in layouts(w)]
         for world, options in grid:
             if not runnable(world, options):

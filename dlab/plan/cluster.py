@@ -29,13 +29,13 @@ fp32 matmul probe measures (``dlab.metrics.measure_cpu_peak_flops``), ranks shar
 (a rank beyond them waits its turn), and the alpha-beta link fitted by ``python -m dlab bench
 allreduce`` (``docs/bench/allreduce.json``'s "(fitted link)" rows). ``dlab.plan.calibrate``
 measures the rest for a given model: the rate and fixed cost of its layers on one thread, and
-what a blocking collective waits when ranks outnumber cores.
+what each kind of blocking collective costs when ranks outnumber cores.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 GB = 1e9
@@ -65,9 +65,17 @@ class Cluster:
     #: per-rank seconds of fixed cost per layer forward+backward (the CPU lab's Python and
     #: dispatcher time; zero on GPUs, where kernel launches hide behind the queue)
     layer_overhead: float = 0.0
-    #: with more ranks than ``cores``: seconds each blocking collective waits for its peers to
-    #: be scheduled (``calibrate.sync_probe``); unused on GPUs
-    sync: float = 0.0
+    #: with more ranks than ``cores``: (op, group size, seconds, seconds per payload byte) of
+    #: one blocking collective while every rank is in one (``calibrate.collective_probe``);
+    #: empty on GPUs and wherever each rank has a core
+    calls: tuple = ()
+
+    def call_seconds(self, op: str, group: int, payload: float) -> float | None:
+        """A measured collective's seconds (``calls``), or None where it was not measured."""
+        for name, g, fixed, per_byte in self.calls:
+            if name == op and g == group:
+                return fixed + per_byte * payload
+        return None
 
     def link(self, span: int) -> Link:
         """The link a group of ``span`` consecutive ranks' collectives run on."""
@@ -107,7 +115,7 @@ def fitted_link(ranks: int, path: Path = FITTED_LINK) -> Link:
 
 
 def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: float = 0.0,
-                 sync: float = 0.0) -> Cluster:
+                 calls: tuple = ()) -> Cluster:
     """The lab's CPU: ``peak`` per rank measured now unless given (one thread per rank).
     ``dlab.plan.calibrate.this_machine`` measures every constant for a given model."""
     from dlab.metrics import measure_cpu_peak_flops
@@ -117,12 +125,5 @@ def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: floa
     peak = measure_cpu_peak_flops(1) if peak is None else peak
     return Cluster("this machine (CPU, Gloo on loopback)", peak, mem / max(ranks, 1), 10 * GB, 1 << 20,
                    link, link, 1.0, 1.0, reserved=0.0, cores=cores, layer_overhead=layer_overhead,
-                   sync=sync)
+                   calls=calls)
 
-
-def with_ranks(cluster: Cluster, ranks: int) -> Cluster:
-    """The CPU machine at another rank count: the link fitted nearest it."""
-    if not cluster.cores:
-        return cluster
-    link = fitted_link(ranks)
-    return replace(cluster, intra=link, inter=link)

@@ -25,14 +25,18 @@ all-gather or reduce-scatter, plus alpha per ring step. What is assumed hidden:
   rule; dlab's ``nd`` instead keeps the whole gradient until the last micro-batch), ZeRO-3
   gathers behind each micro-batch's forward and backward; what does not fit in a window shows;
 - on the CPU machine (``Cluster.cores``) nothing hides: the cores that would compute are the
-  ones that move the bytes; with more ranks than cores every blocking collective also waits
-  ``Cluster.sync`` for its peers to be scheduled (``_rounds`` counts them).
+  ones that move the bytes. With more ranks than cores a collective costs what
+  ``calibrate.collective_probe`` measured for its op and group size (``Cluster.calls``:
+  scheduling hand-offs, not bytes, dominate), counted per call by ``collective_calls``.
 
 Bubble: the schedule's idle fraction (``estimate.pipeline.bubble``, the zero-bubble forms with
 the input and weight gradients half of backward each; the simulation where no closed form
-applies), applied to the slowest pipeline rank's work. Optimizer: Adam reads and writes its
-shard's state (28 bytes per parameter: gradient, master weight, two moments, the 16-bit copy)
-at HBM speed.
+applies), applied to the slowest pipeline rank's work. On the CPU machine too: an idle stage's ranks
+could lend their cores to the busy ones, but measured pipelines on 4 and 8 ranks are as slow
+as if they did not (the scheduler does not know the critical path).
+
+Optimizer: Adam reads and writes its shard's state (28 bytes per parameter: gradient, master
+weight, two moments, the 16-bit copy) at HBM speed.
 """
 from __future__ import annotations
 
@@ -96,8 +100,8 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
     cpu = bool(cluster.cores)
     out = dict.fromkeys(("tp", "cp", "ep", "pp", "data"), 0.0)
     sent = dict(out)
-    rounds = _rounds(spec, lay, m, layers) if cpu and lay.world > cluster.cores else {}
     act = e * b * s * h
+    kv = 2 * e * b * s * spec.kv_width / min(t, spec.n_kv_head)
     if t > 1:
         calls = m * layers * (4 + (2 if lay.recompute == "full" else 0))
         sent["tp"] = calls * 2 * (t - 1) / t * act
@@ -105,7 +109,6 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
             out["tp"] = calls * _allreduce(act, t, cluster.link(lay.span("tp")))
     if lay.cp > 1:
         link = cluster.link(lay.span("cp"))
-        kv = 2 * e * b * s * spec.kv_width / min(t, spec.n_kv_head)
         passes = (lay.cp - 1) * (1 + 2 + (1 if lay.recompute != "none" else 0))
         sent["cp"] = m * layers * passes * kv
         hidden = 0.0 if cpu else comp["attention_forward"] * (3 + (1 if lay.recompute != "none" else 0))
@@ -124,28 +127,53 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
     n = lay.dp * lay.cp
     if n > 1:
         out["data"], sent["data"] = _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu)
-    for dim, count in rounds.items():
-        out[dim] += count * cluster.sync
+    if cpu and cluster.calls and lay.world > cluster.cores:
+        grads = BYTES[lay.precision][1] * sum(rank_params(spec, lay, pp_rank))
+        for dim, calls in collective_calls(lay, m, layers, pp_rank, act, kv, grads).items():
+            measured = [(count, cluster.call_seconds(op, group, payload))
+                        for op, group, count, payload in calls]
+            if all(sec is not None for _, sec in measured):
+                out[dim] = sum(count * sec for count, sec in measured)
     return out, sent
 
 
-def _rounds(spec, lay, m: int, layers: int) -> dict[str, float]:
-    """Blocking collectives per step of each dimension on a rank (the CPU machine pays
-    ``Cluster.sync`` on each when ranks outnumber cores): tensor parallelism's two per layer
-    each way (four apiece as all-gather/reduce-scatter pairs under sequence parallelism, and
-    the forward's again under full recomputation) and six for the vocabulary-parallel
-    embedding, head and loss; ring attention's c - 1 passes forward and backward (and forward
-    again when the core is recomputed); a pipeline transfer per chunk each way; the gradient
-    reduction (one flat all-reduce, or a reduce-scatter and an all-gather per unit, ZeRO-3's
-    2m gathers per unit)."""
-    per = 2 if lay.sp else 1
-    out = {"tp": m * (layers * per * (4 + (2 if lay.recompute == "full" else 0)) + 6) if lay.tp > 1 else 0,
-           "cp": m * layers * (lay.cp - 1) * (2 + (1 if lay.recompute != "none" else 0)),
-           "pp": 2 * lay.v * m if lay.pp > 1 else 0,
-           "ep": m * layers * 4 if spec.n_expert > 1 and lay.ep > 1 else 0}
-    if lay.dp * lay.cp > 1:
-        units = layers + 1
-        out["data"] = {0: 1, 1: 2 * units, 2: 2 * units}.get(lay.zero, units * (2 * m + 1))
+def collective_calls(lay, m: int, layers: int, pp_rank: int, act: float, kv: float,
+           grads: float) -> dict[str, list[tuple]]:
+    """The blocking collectives of a step on a rank, per dimension: (op, group size, calls,
+    payload bytes of each: a micro-batch's activation ``act`` for tensor parallelism, its K and
+    V ``kv`` for a ring pass, the rank's gradients ``grads`` cut into units for ZeRO). The
+    counts are those of ``nd``'s code: tensor parallelism's two all-reduces per layer each way
+    (an all-gather and a reduce-scatter apiece under sequence parallelism, and the forward's
+    again under full recomputation), with the vocabulary-parallel embedding on the first stage
+    and the head and loss on the last (1 and 3 calls per micro-batch; 6 and 9 under sequence
+    parallelism, which gathers and scatters around them, and one all-reduce a step of the
+weights it leaves whole: norms, biases); ring attention's 3 (c-1) + 1 passes
+    per layer (c - 1 more when the core is recomputed); ZeRO's reduce-scatter and all-gather
+    per unit (a stage's layers and its embedding or head), ZeRO-3's gathers for every
+    micro-batch, or one flat all-reduce without ZeRO. Pipeline transfers are not here: a
+    stage's receive waits for its neighbour's work, which the bubble counts."""
+    first, last = pp_rank == 0, pp_rank == lay.pp - 1
+    out = {}
+    t, c, n = lay.tp, lay.cp, lay.dp * lay.cp
+    if t > 1:
+        per_layer = 4 + (2 if lay.recompute == "full" else 0)
+        edges = (6 * first + 9 * last) if lay.sp else (first + 3 * last)
+        count = m * (layers * per_layer * (2 if lay.sp else 1) + edges)
+        out["tp"] = ([("all_gather", t, count / 2, act), ("reduce_scatter", t, count / 2, act),
+                      ("all_reduce", t, 1, act)]
+                     if lay.sp else [("all_reduce", t, count, act)])
+    if c > 1:
+        passes = m * layers * (3 * (c - 1) + 1 + ((c - 1) if lay.recompute != "none" else 0))
+        out["cp"] = [("ring", c, passes, kv)]
+    if n > 1:
+        units = layers + int(first) + int(last and lay.pp > 1)
+        if lay.zero == 0:
+            out["data"] = [("all_reduce", n, 1, grads)]
+        else:
+            gathers = units * (2 * m if lay.zero == 3 else 1)
+            reduces = units * (m if lay.zero >= 2 else 1)
+            out["data"] = [("all_gather", n, gathers, grads / units),
+                           ("reduce_scatter", n, reduces, grads / units)]
     return out
 
 
