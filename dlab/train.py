@@ -129,12 +129,12 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
         batch = data.global_batch(step)
         wire_start = meter.cut()  # an op still in flight from the last step is charged there
         before, before_dims = _comm_totals(strategy), _dim_totals(strategy)
-        start, wall = time.perf_counter(), ctx.timeline.now()
+        start, wall, cpu = time.perf_counter(), ctx.timeline.now(), time.process_time()
         if delay:
             with ctx.timeline.span("straggle", delay_s=delay):
                 time.sleep(delay)
         loss = strategy.step(batch)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         wire_end = meter.cut()  # ... and one still in flight now, here, for what it wrote so far
         ctx.timeline.add("step", wall, ctx.timeline.now())
         busy = busy_seconds(ctx.timeline.events)
@@ -144,7 +144,7 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
             "step": step, "rank": ctx.rank, "world_size": ctx.world_size, "attempt": attempt,
             "time": ctx.timeline.now(),
             "loss": loss, "step_time": seconds,
-            "busy_s": busy, "idle_s": max(0.0, seconds - busy),
+            "busy_s": busy, "idle_s": max(0.0, seconds - busy), "cpu_s": cpu,
             "tokens": tokens, "tokens_per_s": tokens / seconds,
             "mfu": flops_per_token * tokens / seconds / (peak * ctx.world_size),
             "hfu": hardware_flops_per_token * tokens / seconds / (peak * ctx.world_size),

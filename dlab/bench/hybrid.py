@@ -47,10 +47,11 @@ def formulas(dp: int, pp: int, tp: int) -> list[tuple[int, float]]:
     return out
 
 
-def step_seconds(run) -> float:
-    """The step time of a run: each rank's median over the steps after the first, then the
-    slowest rank (the step is not over until every rank is). Both sides of a row use it."""
-    return max(median([m["step_time"] for m in run.metrics(r)[1:]]) for r in range(run.world_size))
+def step_seconds(run, warmup: int = 1) -> float:
+    """The step time of a run: each rank's median over the steps after the first ``warmup``,
+    then the slowest rank (the step is not over until every rank is). Both sides of a row use
+    it."""
+    return max(median([m["step_time"] for m in run.metrics(r)[warmup:]]) for r in range(run.world_size))
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -1,74 +1,138 @@
-""""this machine", measured: what the CPU lab's ranks compute per second and what a blocking
-collective costs them when they outnumber the cores.
+""""this machine", measured: what the CPU lab's ranks' work costs them in CPU seconds, and how
+much of the cores' time they fill when they outnumber the cores.
 
 Three measurements, none of them a run the planner is then checked against:
 
-- ``compute``: the lab GPT's forward and backward in this process on one thread, at two batch
-  sizes. The time is a fixed part per layer (Python, the dispatcher, the small kernels that do
-  not grow with the batch) plus FLOPs over a rate; two sizes give both (``Cluster.peak`` with
-  ``matmul_efficiency`` 1, and ``Cluster.layer_overhead``). Ranks beyond the cores share them
-  evenly (``world / cores`` times the time alone).
-- the link: the alpha-beta fit of ``python -m dlab bench allreduce`` (``cluster.fitted_link``).
+- ``compute``: the lab GPT's forward and backward on one thread at two batch sizes (a rate
+  and a fixed part per layer), and one tile of ring attention at two sizes (a fixed part and
+  a part per element); with more ranks than cores every rank measures at once.
+- the link: the alpha-beta fit of ``python -m dlab bench allreduce`` (``cluster.fitted_link``),
+  which describes a collective where every rank has a core.
 - ``collective_probe``: with more ranks than cores, a collective is not a message on a wire but
-  a chain of hand-offs between processes that take turns on the cores: each ring step waits
-  for the next rank to be scheduled, and the waiting ranks burn core time too (a 4 KiB
-  all-reduce over 4 ranks on 2 cores costs each rank about 2 ms of CPU, ``time.process_time``,
-  and 6 ms of wall time: 50 times its wire time). No link model predicts that, so the probe
-  measures it: every rank in a group of g consecutive ranks (each g dividing the world), every
-  group at once, each rank alternating a piece of compute (about a layer's share, 1.4 ms alone)
-  with one call, for each op the lab uses (all-reduce, all-gather, reduce-scatter, a ring pass
-  of send and receive) at two payloads; a call costs the round less the compute's even share
-  of the cores. ``Cluster.calls`` keeps a fixed part and a part per byte per (op, g); the
-  planner charges every blocking collective of a step with it (``time.collective_calls``
-  counts them).
+  a chain of hand-offs between processes that take turns on the cores, each one waking Gloo's
+  threads: a 16 KiB all-reduce over 4 ranks on 2 cores burns about 1.6 ms of each rank's CPU,
+  some 50 times its wire time, whatever its bytes. No link model predicts that, so the probe
+  measures it through dlab's own ``Comm``, every rank in a group of g consecutive ranks (each g
+  dividing the world), every group at once, each rank alternating a piece of compute (about a
+  layer's share, 1.3 ms alone) with one call, for each op the lab uses (all-reduce, all-gather,
+  reduce-scatter, a ring pass of send and receive) at two payloads: the CPU seconds a call
+  costs a rank (``Cluster.calls``), and the share of the cores' time the ranks fill
+  (``Cluster.utilization``, about 0.85 at 4 ranks on 2 cores and 0.9 at 8).
 
-What none of them sees, and the bench shows as error: the lab's own bookkeeping per step
-(meters, the timeline, the optimizer's Python); a pipeline, whose idle stages leave the cores
-to the busy ones, so that its collectives meet fewer competitors than the probe's (pipelines
-with tensor parallelism read up to a third or more too slow); and the probe's own spread from
-run to run (a ring pass at 4 ranks measured 0.8-2 ms on different runs).
+The planner then counts what a step does (``dlab.plan.time``) and shares the ranks' CPU seconds
+out over the cores. What none of this sees, and the bench shows as error: the lab's own
+bookkeeping per step and per micro-batch (the schedule, the meters, the timeline, the
+optimizer's Python), and the CPU a rank burns while it waits, which grows with the wait.
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import dlab
 from dlab.plan import cluster as clusters
 
 
-def _step_seconds(cfg, batch: int, repeats: int) -> float:
+def _cpu_seconds(fn, repeats: int) -> float:
+    """Median CPU seconds of ``fn()`` over ``repeats`` calls after one to warm up. CPU time
+    (``time.process_time``), not wall time: where ranks share the cores a rank's wall time is
+    mostly the others' turns, while the CPU its work burns is its own (a little more than
+    alone: the caches are shared too), and repeats to a few per cent."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return statistics.median(times[1:])
+
+
+def _gpt_step(cfg, batch: int):
     import torch
 
     from dlab.models.gpt import GPT
     torch.manual_seed(0)
     model = GPT(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
+
+    def step():
         logits = model(tokens)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return step
 
 
-def compute(cfg, small: int = 1, large: int = 8, repeats: int = 5) -> tuple[float, float]:
-    """(FLOP/s, seconds per layer of fixed cost) of one thread on the lab GPT ``cfg``, in this
-    process. (Measured with every rank busy at once instead, the two-size fit swung by 2x from
-    run to run on 2 oversubscribed cores; one process alone is repeatable.)"""
+def _ring_tiles(cfg, b: int, heads: int, k: int):
+    """ring attention's forward and backward on a one-rank ring whose tokens are two chunks of
+    k (three visible tiles), and the tile count."""
+    import types
+
     import torch
+
+    from dlab.parallel.context.attention import Ring, ring_attention
+    chunks = torch.cat([torch.arange(k), torch.arange(2 * k, 3 * k)])
+    ring = Ring(types.SimpleNamespace(rank=0, size=1), [chunks])
+    q, key, v = (torch.randn(b, heads, 2 * k, cfg.d_model // cfg.n_head, requires_grad=True)
+                 for _ in range(3))
+    return (lambda: ring_attention(q, key, v, ring).sum().backward()), len(ring.tiles[0])
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through ``points``, neither below 0."""
+    xs, ys = zip(*points)
+    slope = max(statistics.linear_regression(xs, ys).slope, 0.0)
+    return max(statistics.fmean(ys) - slope * statistics.fmean(xs), 0.0), slope
+
+
+def _costs(cfg, repeats: int = 5, batches=(1, 2, 4, 8)) -> tuple[float, float, float, float]:
+    """This process's (FLOP/s, fixed seconds per layer, fixed seconds per ring-attention tile,
+    seconds per tile query element) on one thread (``compute``)."""
+    import torch
+    import torch.distributed as dist
+
+    def together():  # on several ranks, each measurement starts on all of them at once
+        if dist.is_initialized():
+            dist.barrier()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    width = cfg.d_model // cfg.n_head
+    steps, tiles = [], []
     try:
-        t_small, t_large = (_step_seconds(cfg, b, repeats) for b in (small, large))
+        for b in batches:
+            together()
+            steps.append((b, _cpu_seconds(_gpt_step(cfg, b), repeats)))
+        for b, heads, k in ((1, 1, 4), (1, cfg.n_head, cfg.seq_len // 8),
+                            (batches[-1], cfg.n_head, cfg.seq_len // 4)):
+            fn, n = _ring_tiles(cfg, b, heads, max(k, 4))
+            together()
+            tiles.append((b * heads * max(k, 4) * width, _cpu_seconds(fn, 2 * repeats) / n))
     finally:
         torch.set_num_threads(threads)
-    flops = cfg.hardware_flops_per_token() * cfg.seq_len
-    rate = flops * (large - small) / max(t_large - t_small, 1e-9)
-    fixed = max(t_small - flops * small / rate, 0.0)
-    return rate, fixed / cfg.n_layer
+    fixed, per_sequence = _line(steps)
+    return (cfg.hardware_flops_per_token() * cfg.seq_len / per_sequence, fixed / cfg.n_layer,
+            *_line(tiles))
+
+
+def compute(cfg, world: int = 1, runs_dir: str = "runs") -> tuple[float, float, tuple[float, float]]:
+    """What the lab GPT ``cfg``'s compute costs one thread in CPU seconds: (FLOP/s, fixed
+    seconds per layer, ``ring_tile``). Two measurements, each a least-squares line through a
+    few sizes: the GPT's forward and backward at batch 1, 2, 4 and 8 (its FLOPs over a rate
+    plus a fixed part per layer: Python, the dispatcher, the small kernels that do not grow
+    with the batch), and one tile of ring attention (``dlab.parallel.context.attention``), the
+    core context parallelism puts in place of the fused attention: a dozen small ops per
+    (query chunk, key chunk) tile, whose fixed cost dwarfs its FLOPs at the lab's sizes; timed
+    from the smallest tile to the largest of ``cfg`` (one sequence and head, k = 4, to batch 8,
+    every head, k = seq_len / 4), per element of the tile's queries, b x heads x k x head width.
+
+    With more ``world`` ranks than cores, every rank measures at once and the ranks' mean is
+    taken: sharing the cores (and their caches) makes the same work cost each rank some 5-15 %
+    more CPU than alone. Otherwise this process measures alone."""
+    if world <= (os.cpu_count() or 1):
+        rate, fixed, tile, per_element = _costs(cfg)
+    else:
+        rate, fixed, tile, per_element = (statistics.fmean(col) for col in
+                                          zip(*dlab.spawn(_costs, world, cfg, runs_dir=runs_dir)))
+    return rate, fixed, (tile, per_element)
 
 
 PROBE_SIZES = (16 << 10, 1 << 20)  # payload bytes: a norm's gradient to a layer's activations
@@ -97,82 +161,115 @@ def _work_seconds(work: int, repeats: int = 20) -> float:
         torch.set_num_threads(threads)
 
 
-def _call(op: str, x, buf, group, ring: tuple[int, int], a, work: int):
-    """One blocking collective of kind ``op`` on ``group`` whose whole buffer is ``x`` (an
-    all-gather's output, a reduce-scatter's input), after ``work`` pieces of compute; ``ring``:
-    send ``x`` to one neighbour and receive one from the other at once, one pass of ring
-    attention (whose blocks of the lab's sizes compute in far less time than a pass takes)."""
-    import torch.distributed as dist
-    shard = x.numel() // dist.get_world_size(group)
+def _call(op: str, x, buf, comm, a, work: int):
+    """One blocking collective of kind ``op`` through ``comm`` (dlab's instrumented ``Comm``, as
+    the runs call them: its bookkeeping is part of a call's cost) whose whole buffer is ``x``
+    (an all-gather's output, a reduce-scatter's input), after ``work`` pieces of compute;
+    ``ring``: one pass of ring attention, which posts the send of ``x`` to the next rank of the
+    group and the receive from the previous, computes while they fly, then waits for both."""
+    shard = x.numel() // comm.size
+    if op == "ring":
+        handles = (comm.isend(x, (comm.rank + 1) % comm.size),
+                   comm.irecv(buf, (comm.rank - 1) % comm.size))
+        a = _work(a, work)
+        for handle in handles:
+            handle.wait()
+        return a
     a = _work(a, work)
     if op == "all_reduce":
-        dist.all_reduce(x, group=group)
+        comm.all_reduce(x)
     elif op == "all_gather":
-        dist.all_gather_into_tensor(x, buf[:shard], group=group)
-    elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(buf[:shard], x, group=group)
+        comm.all_gather_into_tensor(x, buf[:shard])
     else:
-        for handle in (dist.isend(x, ring[0]), dist.irecv(buf, ring[1])):
-            handle.wait()
+        comm.reduce_scatter_tensor(buf[:shard], x)
     return a
 
 
 def _collective_rounds(repeats: int, work: int, trials_: int) -> dict:
-    """Seconds per round (a piece of compute, then a call) of every op on groups of every size
-    that divides the world, every rank in a group of that size (consecutive ranks, as ``nd``
-    lays out its fastest dimensions): the median of ``trials_`` runs of ``repeats`` rounds
-    (the cores' sharing swings from one run to the next)."""
+    """(wall seconds, this process's CPU seconds) per round (a piece of compute, then a call) of
+    every op on groups of every size that divides the world, every rank in a group of that size
+    (consecutive ranks, as ``nd`` lays out its fastest dimensions): the median of ``trials_``
+    runs of ``repeats`` rounds, the trials taken in turn over every op and group (how the
+    scheduler pairs ranks with cores drifts over seconds; a run of trials back to back would
+    see one pairing). CPU time is ``time.process_time``: every thread of the rank, Gloo's own
+    included."""
     import torch
     import torch.distributed as dist
+
+    from dlab.comm.instrumented import Comm
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     a = torch.randn(128, 128) / 128
-    out = {}
-    for g in [d for d in range(2, world + 1) if world % d == 0]:
-        groups = [dist.new_group(list(range(s, s + g))) for s in range(0, world, g)]
-        base = rank - rank % g
-        ring = (base + (rank + 1) % g, base + (rank - 1) % g)
-        for size in PROBE_SIZES:
-            x, buf = torch.zeros(size // 4), torch.zeros(size // 4)
-            for op in OPS:
-                a = _call(op, x, buf, groups[rank // g], ring, a, work)
-                trials = []
-                for _ in range(trials_):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    for _ in range(repeats):
-                        a = _call(op, x, buf, groups[rank // g], ring, a, work)
-                    trials.append((time.perf_counter() - start) / repeats)
-                out[(op, g, size)] = statistics.median(trials)
-    return out
+    comms = {g: Comm([dist.new_group(list(range(s, s + g))) for s in range(0, world, g)][rank // g])
+             for g in range(2, world + 1) if world % g == 0}
+    buffers = {size: (torch.zeros(size // 4), torch.zeros(size // 4)) for size in PROBE_SIZES}
+    keys = [(op, g, size) for g in comms for size in PROBE_SIZES for op in OPS]
+    for op, g, size in keys:  # warm up: Gloo makes its connections on first use
+        a = _call(op, *buffers[size], comms[g], a, work)
+    trials = {key: [] for key in keys}
+    for _ in range(trials_):
+        for op, g, size in keys:
+            dist.barrier()
+            start, cpu = time.perf_counter(), time.process_time()
+            for _ in range(repeats):
+                a = _call(op, *buffers[size], comms[g], a, work)
+            trials[(op, g, size)].append(((time.perf_counter() - start) / repeats,
+                                          (time.process_time() - cpu) / repeats))
+    return {key: tuple(statistics.median(t[i] for t in got) for i in (0, 1))
+            for key, got in trials.items()}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What ``collective_probe`` measured at one world size: ``calls``, per (op, group size),
+    the CPU seconds one blocking collective costs a rank, fixed and per payload byte
+    (``Cluster.calls``); ``utilization``, the share of the cores' time the ranks' CPU filled
+    (``Cluster.utilization``); ``rounds``, the raw (wall, CPU) seconds per round by (op, g,
+    bytes), the slowest rank's wall and the mean rank's CPU."""
+    calls: tuple = ()
+    utilization: float = 1.0
+    rounds: dict = field(default_factory=dict)
 
 
 def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int = 5,
-                     runs_dir: str = "runs") -> tuple:
-    """``Cluster.calls`` at ``world`` ranks: per (op, group size), the fixed seconds and the
-    seconds per payload byte of one blocking collective, fitted through two payloads. Each
-    rank alternates ``work`` pieces of compute (about a layer's share, 1-2 ms alone) with the
-    call, as a step does, and the call costs the round (the slowest rank's mean) less the
-    compute's even share of the cores. Empty when every rank has a core: then the alpha-beta
-    link describes a collective."""
+                     runs_dir: str = "runs") -> Probe:
+    """What a blocking collective costs each of ``world`` ranks that outnumber the cores, and
+    how much of the cores' time the ranks fill while they alternate compute with collectives.
+
+    Every rank alternates ``work`` pieces of compute (about a layer's share, 1-2 ms alone) with
+    one call, as a step does. A call's cost is the CPU seconds of a round less the compute's
+    CPU seconds alone, fitted through the two payloads: CPU time, not wall time, because the
+    cores are shared (a rank's wall time is mostly other ranks' turns, and depends on how many
+    there are), while the CPU a call burns is its own (Gloo's threads hand the bytes over, wake,
+    poll). The utilization is the ranks' CPU over the cores' time in the rounds, sum over ranks
+    / (cores x wall): below 1 where a hand-off leaves a core with no rank ready to run; the
+    median over every op and group. Empty (utilization 1) when every rank has a core: then the
+    alpha-beta link describes a collective."""
     cores = os.cpu_count() or 1
     if world <= cores:
-        return ()
-    share = _work_seconds(work) * world / cores
+        return Probe()
+    alone = _work_seconds(work)
     per_rank = dlab.spawn(_collective_rounds, world, repeats, work, trials, runs_dir=runs_dir)
     small, large = PROBE_SIZES
-    rows = []
-    for op, g, size in per_rank[0]:
+    rows, fills = [], []
+    rounds = {}
+    for key in per_rank[0]:
+        wall = max(r[key][0] for r in per_rank)
+        cpu = statistics.fmean(r[key][1] for r in per_rank)
+        rounds[key] = (wall, cpu)
+        fills.append(world * cpu / (cores * wall))
+    for op, g, size in rounds:
         if size != small:
             continue
-        t_small, t_large = (max(r[(op, g, s)] for r in per_rank) - share for s in (small, large))
-        slope = max(t_large - t_small, 0.0) / (large - small)
-        rows.append((op, g, max(t_small - slope * small, 0.0), slope))
-    return tuple(rows)
+        c_small, c_large = (rounds[(op, g, s)][1] - alone for s in (small, large))
+        slope = max(c_large - c_small, 0.0) / (large - small)
+        rows.append((op, g, max(c_small - slope * small, 0.0), slope))
+    return Probe(tuple(rows), min(statistics.median(fills), 1.0), rounds)
 
 
 def this_machine(cfg, world: int, runs_dir: str = "runs") -> clusters.Cluster:
     """The CPU machine preset for the lab GPT ``cfg`` at ``world`` ranks, every constant measured."""
-    rate, overhead = compute(cfg)
-    return clusters.this_machine(peak=rate, ranks=world, layer_overhead=overhead,
-                                 calls=collective_probe(world, runs_dir=runs_dir))
+    rate, overhead, tile = compute(cfg, world, runs_dir=runs_dir)
+    probe = collective_probe(world, runs_dir=runs_dir)
+    return clusters.this_machine(peak=rate, ranks=world, layer_overhead=overhead, ring_tile=tile,
+                                 calls=probe.calls, utilization=probe.utilization)

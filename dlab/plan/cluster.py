@@ -28,8 +28,9 @@ paid per ring step. The constants below are assumptions, each with its reason:
 fp32 matmul probe measures (``dlab.metrics.measure_cpu_peak_flops``), ranks sharing ``cores``
 (a rank beyond them waits its turn), and the alpha-beta link fitted by ``python -m dlab bench
 allreduce`` (``docs/bench/allreduce.json``'s "(fitted link)" rows). ``dlab.plan.calibrate``
-measures the rest for a given model: the rate and fixed cost of its layers on one thread, and
-what each kind of blocking collective costs when ranks outnumber cores.
+measures the rest for a given model: the rate and fixed cost of its layers on one thread, and,
+when ranks outnumber the cores, the CPU each kind of blocking collective costs a rank and the
+share of the cores' time the ranks fill.
 """
 from __future__ import annotations
 
@@ -65,17 +66,30 @@ class Cluster:
     #: per-rank seconds of fixed cost per layer forward+backward (the CPU lab's Python and
     #: dispatcher time; zero on GPUs, where kernel launches hide behind the queue)
     layer_overhead: float = 0.0
-    #: with more ranks than ``cores``: (op, group size, seconds, seconds per payload byte) of
-    #: one blocking collective while every rank is in one (``calibrate.collective_probe``);
-    #: empty on GPUs and wherever each rank has a core
+    #: (fixed seconds, seconds per query element) of one tile of the lab's ring attention,
+    #: forward and backward, on one CPU thread (``calibrate.compute``); empty on GPUs, where
+    #: the tiles are one fused kernel's blocks and their FLOPs are the cost
+    ring_tile: tuple = ()
+    #: with more ranks than ``cores``: (op, group size, CPU seconds, CPU seconds per payload
+    #: byte) one blocking collective costs a rank (``calibrate.collective_probe``); empty on
+    #: GPUs and wherever each rank has a core
     calls: tuple = ()
+    #: with more ranks than ``cores``: the share of the cores' time the ranks' CPU fills (the
+    #: rest is hand-offs that leave a core with no rank ready); measured by the same probe
+    utilization: float = 1.0
 
-    def call_seconds(self, op: str, group: int, payload: float) -> float | None:
-        """A measured collective's seconds (``calls``), or None where it was not measured."""
+    def oversubscribed(self, world: int) -> bool:
+        """Whether ``world`` ranks outnumber the cores: then a step is CPU seconds shared out
+        over the cores (``dlab.plan.time``)."""
+        return bool(self.cores and world > self.cores)
+
+    def call_cpu(self, op: str, group: int, payload: float) -> float:
+        """CPU seconds one measured collective costs a rank (``calls``)."""
         for name, g, fixed, per_byte in self.calls:
             if name == op and g == group:
                 return fixed + per_byte * payload
-        return None
+        raise ValueError(f"the probe did not measure {op} over {group} ranks; calibrate "
+                         f"'this machine' at this world size (dlab.plan.calibrate.this_machine)")
 
     def link(self, span: int) -> Link:
         """The link a group of ``span`` consecutive ranks' collectives run on."""
@@ -115,7 +129,7 @@ def fitted_link(ranks: int, path: Path = FITTED_LINK) -> Link:
 
 
 def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: float = 0.0,
-                 calls: tuple = ()) -> Cluster:
+                 ring_tile: tuple = (), calls: tuple = (), utilization: float = 1.0) -> Cluster:
     """The lab's CPU: ``peak`` per rank measured now unless given (one thread per rank).
     ``dlab.plan.calibrate.this_machine`` measures every constant for a given model."""
     from dlab.metrics import measure_cpu_peak_flops
@@ -125,5 +139,5 @@ def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: floa
     peak = measure_cpu_peak_flops(1) if peak is None else peak
     return Cluster("this machine (CPU, Gloo on loopback)", peak, mem / max(ranks, 1), 10 * GB, 1 << 20,
                    link, link, 1.0, 1.0, reserved=0.0, cores=cores, layer_overhead=layer_overhead,
-                   calls=calls)
+                   ring_tile=ring_tile, calls=calls, utilization=utilization)
 

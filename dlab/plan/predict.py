@@ -2,9 +2,11 @@
 
 The step's time is the slowest pipeline rank's: its m micro-batches' forward, backward and
 recomputation, the schedule's bubble on top of that work, its exposed communication, and the
-optimizer (``dlab.plan.time``). Memory is the fullest rank's (``dlab.plan.memory``). MFU counts
-the model's FLOPs (``Transformer.flops_per_token``), HFU adds what recomputation repeats, both
-over N GPUs' peak.
+optimizer (``dlab.plan.time``). On a CPU whose cores the ranks outnumber it is instead every
+rank's CPU seconds shared out over the cores, plus the cores' time no rank could use
+("idle_cores"), unless one rank's own chain is longer ("bubble"). Memory is the fullest
+rank's (``dlab.plan.memory``). MFU counts the model's FLOPs (``Transformer.flops_per_token``),
+HFU adds what recomputation repeats, both over the machine's peak: N GPUs', or the CPU's cores'.
 """
 from __future__ import annotations
 
@@ -53,41 +55,63 @@ ASSUMED = ["tp communication exposed unless tp_overlap; cp's K/V passes hidden b
            "each micro-batch's compute; pipeline transfers and expert all-to-alls exposed"]
 
 
+def _stage(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int) -> dict:
+    """One pipeline rank's step: its compute parts, its communication's exposed seconds and
+    bytes per dimension, its optimizer, and their sum ("own"), all on a core of its own."""
+    m = lay.microbatches(global_batch)
+    comp = tm.stage_compute(spec, cluster, lay, seq_len, pp_rank)
+    comm, sent = tm.comm_times(spec, cluster, lay, global_batch, seq_len, pp_rank, comp)
+    parts = {"compute": m * (comp["forward"] + comp["backward"]), "recompute": m * comp["recompute"],
+             **{f"{k}_comm": v for k, v in comm.items()},
+             "optimizer": tm.optimizer_time(spec, cluster, lay, pp_rank)}
+    return {"parts": parts, "sent": sent, "pp_rank": pp_rank, "own": sum(parts.values()),
+            "work": parts["compute"] + parts["recompute"]}
+
+
+def _step(stages: list[dict], cluster, lay, frac: float) -> dict[str, float]:
+    """Seconds per step by part (module docstring; ``dlab.plan.time`` on the CPU's cores)."""
+    if not cluster.oversubscribed(lay.world):
+        worst = max(stages, key=lambda st: st["own"] + st["work"] * frac / (1 - frac))
+        return {**worst["parts"], "bubble": worst["work"] * frac / (1 - frac)}
+    # every rank's CPU seconds over the cores: each part's core-seconds summed over the ranks
+    per_stage = lay.world // lay.pp
+    share = {k: per_stage * sum(st["parts"][k] for st in stages) / cluster.cores
+             for k in stages[0]["parts"]}
+    shared = sum(share.values()) / cluster.utilization
+    chain = max(st["own"] + st["work"] * frac / (1 - frac) for st in stages)  # one core at most
+    return {**share, "idle_cores": shared - sum(share.values()),
+            "bubble": max(0.0, chain - shared)}
+
+
 def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
     problems = [*spec.problems(), *lay.problems(spec, global_batch, seq_len)]
     if problems:
         raise PlanError(f"{lay.describe()}: " + "; ".join(problems))
     m = lay.microbatches(global_batch)
-    worst = None
-    for pp_rank in sorted({0, lay.pp - 1}):
-        comp = tm.stage_compute(spec, cluster, lay, seq_len, pp_rank)
-        work = m * (comp["forward"] + comp["backward"] + comp["recompute"])
-        comm, sent = tm.comm_times(spec, cluster, lay, global_batch, seq_len, pp_rank, comp)
-        total = work + sum(comm.values()) + tm.optimizer_time(spec, cluster, lay, pp_rank)
-        if worst is None or total > worst[0]:
-            worst = (total, comp, work, comm, sent, pp_rank)
-    _, comp, work, comm, sent, pp_rank = worst
+    frac = bubble_fraction(lay, m)
+    ranks = range(lay.pp) if cluster.oversubscribed(lay.world) else sorted({0, lay.pp - 1})
+    stages = [_stage(spec, cluster, lay, global_batch, seq_len, r) for r in ranks]
+    parts = _step(stages, cluster, lay, frac)
+    parts["total"] = sum(parts.values())
+    sent = max(stages, key=lambda st: sum(st["sent"].values()))["sent"]
     if spec.gpt is not None:  # the lab's GPT: the busiest rank's exact bytes (dlab.estimate.nd)
         cfg = dataclasses.replace(spec.gpt, seq_len=seq_len, recompute=lay.recompute)
         sent = max((nd_estimate.step_bytes(cfg, lay.nd(global_batch), global_batch, r)
                     for r in range(lay.pp)), key=lambda d: d["total"])
         sent.pop("total")
-    frac = bubble_fraction(lay, m)
-    parts = {"compute": m * (comp["forward"] + comp["backward"]),
-             "recompute": m * comp["recompute"],
-             **{f"{k}_comm": v for k, v in comm.items()},
-             "bubble": work * frac / (1 - frac),
-             "optimizer": tm.optimizer_time(spec, cluster, lay, pp_rank)}
-    parts["total"] = sum(parts.values())
     mem = memory(spec, lay, global_batch, seq_len)
     tokens = global_batch * seq_len
     model_flops = spec.flops_per_token(seq_len) * tokens
     hw_flops = model_flops + spec.recompute_flops_per_token(seq_len, lay.recompute) * tokens
-    peak = cluster.peak * lay.world
+    # the machine's peak: N GPUs', or the CPU's cores' however many ranks share them
+    peak = cluster.peak * (min(lay.world, cluster.cores) if cluster.cores else lay.world)
     capacity = cluster.memory - cluster.reserved
     notes = list(ASSUMED)
-    if cluster.cores:
-        notes.append(f"{lay.world} ranks share {cluster.cores} cores; nothing overlaps on the CPU")
+    if cluster.oversubscribed(lay.world):
+        notes.append(f"{lay.world} ranks share {cluster.cores} cores: the step is their CPU seconds "
+                     f"over the cores at {cluster.utilization:.0%} filled; nothing overlaps")
+    elif cluster.cores:
+        notes.append("a rank per core; nothing overlaps on the CPU")
     return Prediction(lay, mem, parts, tokens / parts["total"], model_flops / parts["total"] / peak,
                       hw_flops / parts["total"] / peak, mem["total"] <= capacity, capacity,
                       {**sent, "total": sum(sent.values())}, notes)

@@ -25,15 +25,23 @@ all-gather or reduce-scatter, plus alpha per ring step. What is assumed hidden:
   rule; dlab's ``nd`` instead keeps the whole gradient until the last micro-batch), ZeRO-3
   gathers behind each micro-batch's forward and backward; what does not fit in a window shows;
 - on the CPU machine (``Cluster.cores``) nothing hides: the cores that would compute are the
-  ones that move the bytes. With more ranks than cores a collective costs what
-  ``calibrate.collective_probe`` measured for its op and group size (``Cluster.calls``:
-  scheduling hand-offs, not bytes, dominate), counted per call by ``collective_calls``.
+  ones that move the bytes.
+
+With more ranks than cores (``Cluster.oversubscribed``) a rank's time is not its own: the cores
+run whichever ranks are ready, so what is conserved is CPU time. Each rank's CPU seconds per
+step are its compute at one thread's measured rate, its optimizer, and every blocking
+collective it makes (``collective_calls``, the counts of ``nd``'s code) at the CPU a call costs
+a rank when ranks outnumber the cores (``calibrate.collective_probe``: Gloo's hand-offs, not the
+bytes, dominate: about a millisecond a call; without the probe, the link's time). The step is
+the ranks' CPU seconds shared out over the cores, at the share of their time the ranks fill
+(``Cluster.utilization``, measured by the same probe): sum / (cores x utilization). A
+pipeline's bubble is filled by the other stages' ranks, so it costs nothing there unless one
+rank's own chain (its work and the schedule's bubble on it) is longer still: a rank runs on
+one core at most.
 
 Bubble: the schedule's idle fraction (``estimate.pipeline.bubble``, the zero-bubble forms with
 the input and weight gradients half of backward each; the simulation where no closed form
-applies), applied to the slowest pipeline rank's work. On the CPU machine too: an idle stage's ranks
-could lend their cores to the busy ones, but measured pipelines on 4 and 8 ranks are as slow
-as if they did not (the scheduler does not know the critical path).
+applies), applied to the slowest pipeline rank's work.
 
 Optimizer: Adam reads and writes its shard's state (28 bytes per parameter: gradient, master
 weight, two moments, the 16-bit copy) at HBM speed.
@@ -53,20 +61,14 @@ def _gather(nbytes: float, n: int, link) -> float:
     return 0.0 if n <= 1 else (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.alpha
 
 
-def _peak_per_rank(cluster, lay) -> float:
-    """A GPU's peak, or a CPU rank's even share of the cores when ranks outnumber them."""
-    if cluster.cores and lay.world > cluster.cores:
-        return cluster.peak * cluster.cores / lay.world
-    return cluster.peak
-
-
 def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, float]:
-    """Seconds of forward, backward and recomputation of one micro-batch on ``pp_rank``."""
+    """Seconds of forward, backward and recomputation of one micro-batch on ``pp_rank``, on a
+    core of its own (a GPU, or a CPU rank's one thread)."""
     b, s, h, f = lay.micro_batch, seq_len // lay.cp, spec.d_model, spec.d_ff
     t, r = lay.tp, (lay.tp if lay.sp else 1)
     e = 4 if lay.precision == "fp32" else 2
     layers = layers_on(spec, lay, pp_rank)
-    peak = _peak_per_rank(cluster, lay)
+    peak = cluster.peak
     mm_flops = layers * 2 * b * s * spec.active_layer_params() / t
     if pp_rank == lay.pp - 1:
         mm_flops += 2 * b * s * spec.embedding_params() / t  # the head
@@ -81,7 +83,15 @@ def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, f
     ew = layers * elementwise * e / 2 / cluster.hbm  # counted in 16-bit elements above
     mm = mm_flops / (peak * cluster.matmul_efficiency)
     attn = attn_flops / (peak * cluster.attention_efficiency)
-    overhead = layers * cluster.layer_overhead * cluster.peak / peak  # shares the cores too
+    if lay.cp > 1 and cluster.ring_tile:
+        # the CPU lab's ring attention: zigzag gives every rank 2 cp + 1 visible tiles a layer
+        # (its 2 chunks against the 2 cp chunks at or before them), each b x heads x k rows of
+        # the head width, k = s / 2 cp; a tile's forward is a third of its cost, as for FLOPs
+        fixed, per_element = cluster.ring_tile
+        k = seq_len // (2 * lay.cp)
+        tile = fixed + per_element * b * spec.n_head / t * k * (h // spec.n_head)
+        attn = layers * (2 * lay.cp + 1) * tile / 3
+    overhead = layers * cluster.layer_overhead
     forward = mm + attn + ew + overhead / 3
     backward = 2 * (mm + attn + ew) + 2 * overhead / 3
     recompute = {"full": forward, "selective": attn}.get(lay.recompute, 0.0)
@@ -101,6 +111,7 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
     out = dict.fromkeys(("tp", "cp", "ep", "pp", "data"), 0.0)
     sent = dict(out)
     act = e * b * s * h
+    boundary = act / (t if lay.sp else 1)  # what a pipeline stage hands its neighbour
     kv = 2 * e * b * s * spec.kv_width / min(t, spec.n_kv_head)
     if t > 1:
         calls = m * layers * (4 + (2 if lay.recompute == "full" else 0))
@@ -121,24 +132,25 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
         out["ep"] = calls * (per / link.bandwidth + (lay.ep - 1) * link.alpha)
     if lay.pp > 1:
         link = cluster.link(lay.span("pp"))
-        boundary = act / (t if lay.sp else 1)
         sent["pp"] = 2 * lay.v * m * boundary
         out["pp"] = 2 * lay.v * m * (boundary / link.bandwidth + link.alpha)
     n = lay.dp * lay.cp
     if n > 1:
         out["data"], sent["data"] = _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu)
-    if cpu and cluster.calls and lay.world > cluster.cores:
-        grads = BYTES[lay.precision][1] * sum(rank_params(spec, lay, pp_rank))
-        for dim, calls in collective_calls(lay, m, layers, pp_rank, act, kv, grads).items():
-            measured = [(count, cluster.call_seconds(op, group, payload))
-                        for op, group, count, payload in calls]
-            if all(sec is not None for _, sec in measured):
-                out[dim] = sum(count * sec for count, sec in measured)
+    if cluster.oversubscribed(lay.world) and cluster.calls:  # the CPU its collectives burn
+        w, g, _ = BYTES[lay.precision]
+        grads = g * sum(rank_params(spec, lay, pp_rank))
+        tied = w * spec.embedding_params() / t if spec.tied else 0.0
+        calls = collective_calls(lay, m, layers, pp_rank, act, kv, grads, boundary, tied)
+        cpu_s = {dim: sum(count * cluster.call_cpu(op, group, payload)
+                          for op, group, count, payload in ops) for dim, ops in calls.items()}
+        out.update({dim: sec for dim, sec in cpu_s.items() if dim != "tied"})
+        out["pp"] += cpu_s.get("tied", 0.0)  # the pipeline's cost: one matrix on two stages
     return out, sent
 
 
 def collective_calls(lay, m: int, layers: int, pp_rank: int, act: float, kv: float,
-           grads: float) -> dict[str, list[tuple]]:
+                     grads: float, boundary: float = 0.0, tied: float = 0.0) -> dict[str, list[tuple]]:
     """The blocking collectives of a step on a rank, per dimension: (op, group size, calls,
     payload bytes of each: a micro-batch's activation ``act`` for tensor parallelism, its K and
     V ``kv`` for a ring pass, the rank's gradients ``grads`` cut into units for ZeRO). The
@@ -150,8 +162,11 @@ def collective_calls(lay, m: int, layers: int, pp_rank: int, act: float, kv: flo
 weights it leaves whole: norms, biases); ring attention's 3 (c-1) + 1 passes
     per layer (c - 1 more when the core is recomputed); ZeRO's reduce-scatter and all-gather
     per unit (a stage's layers and its embedding or head), ZeRO-3's gathers for every
-    micro-batch, or one flat all-reduce without ZeRO. Pipeline transfers are not here: a
-    stage's receive waits for its neighbour's work, which the bubble counts."""
+    micro-batch, or one flat all-reduce without ZeRO; a pipeline's transfers of ``boundary``
+    bytes, a forward activation and a backward gradient each way per micro-batch and stage
+    boundary (counted as send-and-receive pairs, charged as a ring pass over 2), and with
+    ``tied`` bytes of a tied embedding, its gradient's all-reduce between the first and last
+    stage ("tied", once a step)."""
     first, last = pp_rank == 0, pp_rank == lay.pp - 1
     out = {}
     t, c, n = lay.tp, lay.cp, lay.dp * lay.cp
@@ -165,6 +180,12 @@ weights it leaves whole: norms, biases); ring attention's 3 (c-1) + 1 passes
     if c > 1:
         passes = m * layers * (3 * (c - 1) + 1 + ((c - 1) if lay.recompute != "none" else 0))
         out["cp"] = [("ring", c, passes, kv)]
+    if lay.pp > 1:
+        stages = [k * lay.pp + pp_rank for k in range(lay.v)]
+        ends = sum((s > 0) + (s < lay.pp * lay.v - 1) for s in stages)  # neighbours, over chunks
+        out["pp"] = [("ring", 2, m * ends, boundary)]
+        if tied and (first or last):
+            out["tied"] = [("all_reduce", 2, 1, tied)]
     if n > 1:
         units = layers + int(first) + int(last and lay.pp > 1)
         if lay.zero == 0:
