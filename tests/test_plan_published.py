@@ -102,7 +102,11 @@ def test_with_ranks_outnumbering_cores_a_collective_costs_far_more_than_its_wire
     machine = clusters.this_machine(peak=1e10, ranks=4, calls=probe.calls)
     link = machine.intra
     wire = 2 * 3 / 4 * calibrate.PROBE_SIZES[0] / link.bandwidth + 2 * 3 * link.alpha
-    assert machine.call_cpu("all_reduce", 4, calibrate.PROBE_SIZES[0]) > 5 * wire
+    assert machine.call_cost("all_reduce", 4, calibrate.PROBE_SIZES[0]) > 5 * wire
     with pytest.raises(ValueError, match="did not measure all_reduce over 8"):
-        machine.call_cpu("all_reduce", 8, 1.0)
-    assert calibrate.collective_probe(2, runs_dir=tmp_path) == calibrate.Probe()
+        machine.call_cost("all_reduce", 8, 1.0)
+    # two ranks, a core each: a call's wall time, as far above the wire's
+    probe = calibrate.collective_probe(2, repeats=5, trials=1, runs_dir=tmp_path)
+    pair = clusters.this_machine(peak=1e10, ranks=2, calls=probe.calls)
+    wire = 2 * 1 / 2 * calibrate.PROBE_SIZES[0] / pair.intra.bandwidth + 2 * pair.intra.alpha
+    assert pair.call_cost("all_reduce", 2, calibrate.PROBE_SIZES[0]) > 5 * wire

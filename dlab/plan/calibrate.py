@@ -147,16 +147,13 @@ def _work(a, work: int):
 
 
 def _work_seconds(work: int, repeats: int = 20) -> float:
-    """A piece of compute's seconds in this process alone, on one thread."""
+    """A piece of compute's CPU seconds in this process alone, on one thread."""
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a = torch.randn(128, 128) / 128
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a = _work(a, work)
-        return (time.perf_counter() - start) / repeats
+        return _cpu_seconds(lambda: _work(a, work), repeats)
     finally:
         torch.set_num_threads(threads)
 
@@ -222,8 +219,8 @@ def _collective_rounds(repeats: int, work: int, trials_: int) -> dict:
 @dataclass(frozen=True)
 class Probe:
     """What ``collective_probe`` measured at one world size: ``calls``, per (op, group size),
-    the CPU seconds one blocking collective costs a rank, fixed and per payload byte
-    (``Cluster.calls``); ``utilization``, the share of the cores' time the ranks' CPU filled
+    what one blocking collective costs a rank, fixed and per payload byte (``Cluster.calls``);
+    ``utilization``, the share of the cores' time the ranks' CPU filled
     (``Cluster.utilization``); ``rounds``, the raw (wall, CPU) seconds per round by (op, g,
     bytes), the slowest rank's wall and the mean rank's CPU."""
     calls: tuple = ()
@@ -231,23 +228,31 @@ class Probe:
     rounds: dict = field(default_factory=dict)
 
 
-def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int = 5,
+def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int = 7,
                      runs_dir: str = "runs") -> Probe:
-    """What a blocking collective costs each of ``world`` ranks that outnumber the cores, and
-    how much of the cores' time the ranks fill while they alternate compute with collectives.
+    """What a blocking collective costs each of ``world`` ranks, and how much of the cores' time
+    the ranks fill while they alternate compute with collectives.
 
-    Every rank alternates ``work`` pieces of compute (about a layer's share, 1-2 ms alone) with
-    one call, as a step does. A call's cost is the CPU seconds of a round less the compute's
-    CPU seconds alone, fitted through the two payloads: CPU time, not wall time, because the
-    cores are shared (a rank's wall time is mostly other ranks' turns, and depends on how many
-    there are), while the CPU a call burns is its own (Gloo's threads hand the bytes over, wake,
-    poll). The utilization is the ranks' CPU over the cores' time in the rounds, sum over ranks
-    / (cores x wall): below 1 where a hand-off leaves a core with no rank ready to run; the
-    median over every op and group. Empty (utilization 1) when every rank has a core: then the
-    alpha-beta link describes a collective."""
+    Every rank alternates ``work`` pieces of compute (about a layer's share, 1.3 ms alone) with
+    one call, as a step does, and a call costs a round less its compute alone, fitted through
+    the two payloads. What a round is measured in depends on who owns the cores:
+
+    - ranks outnumber the cores: CPU seconds. A rank's wall time is then mostly other ranks'
+      turns (and depends on how many there are), while the CPU a call burns is its own: Gloo's
+      threads hand the bytes over, wake and poll, and the compute after the call runs on caches
+      the other ranks' work has just evicted (the thread's own CPU clock put a 1.3 ms piece at
+      0.1-0.3 ms more in the rounds than alone, at 8 ranks on 2 cores): the call's doing too.
+      The planner shares the ranks' CPU seconds out over the cores.
+    - each rank has a core: wall seconds, the slowest rank's. A rank's time is its own, and a
+      call's is how long it waits for its partners and Gloo's threads (some twice its CPU).
+
+    Either way the cost is that of hand-offs between processes, not bytes: a 16 KiB all-reduce
+    over 4 ranks on 2 cores burns about 1.6 ms of each rank's CPU, some 10 times its time on the
+    fitted link. The utilization is the ranks' CPU over the cores' time in the rounds, sum over
+    ranks / (cores x wall): below 1 where a hand-off leaves a core with no rank ready to run;
+    the median over every op and group."""
     cores = os.cpu_count() or 1
-    if world <= cores:
-        return Probe()
+    shared = world > cores
     alone = _work_seconds(work)
     per_rank = dlab.spawn(_collective_rounds, world, repeats, work, trials, runs_dir=runs_dir)
     small, large = PROBE_SIZES
@@ -257,11 +262,11 @@ def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int 
         wall = max(r[key][0] for r in per_rank)
         cpu = statistics.fmean(r[key][1] for r in per_rank)
         rounds[key] = (wall, cpu)
-        fills.append(world * cpu / (cores * wall))
+        fills.append(world * cpu / (min(cores, world) * wall))
     for op, g, size in rounds:
         if size != small:
             continue
-        c_small, c_large = (rounds[(op, g, s)][1] - alone for s in (small, large))
+        c_small, c_large = (rounds[(op, g, s)][1 if shared else 0] - alone for s in (small, large))
         slope = max(c_large - c_small, 0.0) / (large - small)
         rows.append((op, g, max(c_small - slope * small, 0.0), slope))
     return Probe(tuple(rows), min(statistics.median(fills), 1.0), rounds)

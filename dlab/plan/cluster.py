@@ -70,9 +70,10 @@ class Cluster:
     #: forward and backward, on one CPU thread (``calibrate.compute``); empty on GPUs, where
     #: the tiles are one fused kernel's blocks and their FLOPs are the cost
     ring_tile: tuple = ()
-    #: with more ranks than ``cores``: (op, group size, CPU seconds, CPU seconds per payload
-    #: byte) one blocking collective costs a rank (``calibrate.collective_probe``); empty on
-    #: GPUs and wherever each rank has a core
+    #: (op, group size, seconds, seconds per payload byte) one blocking collective costs a rank
+    #: on the CPU machine (``calibrate.collective_probe``): CPU seconds where ranks outnumber
+    #: ``cores`` (the planner shares them out over the cores), wall seconds where each rank has
+    #: one; empty on GPUs, where the links describe a collective
     calls: tuple = ()
     #: with more ranks than ``cores``: the share of the cores' time the ranks' CPU fills (the
     #: rest is hand-offs that leave a core with no rank ready); measured by the same probe
@@ -83,8 +84,8 @@ class Cluster:
         over the cores (``dlab.plan.time``)."""
         return bool(self.cores and world > self.cores)
 
-    def call_cpu(self, op: str, group: int, payload: float) -> float:
-        """CPU seconds one measured collective costs a rank (``calls``)."""
+    def call_cost(self, op: str, group: int, payload: float) -> float:
+        """Seconds one measured collective costs a rank (``calls``)."""
         for name, g, fixed, per_byte in self.calls:
             if name == op and g == group:
                 return fixed + per_byte * payload

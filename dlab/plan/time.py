@@ -25,14 +25,15 @@ all-gather or reduce-scatter, plus alpha per ring step. What is assumed hidden:
   rule; dlab's ``nd`` instead keeps the whole gradient until the last micro-batch), ZeRO-3
   gathers behind each micro-batch's forward and backward; what does not fit in a window shows;
 - on the CPU machine (``Cluster.cores``) nothing hides: the cores that would compute are the
-  ones that move the bytes.
+  ones that move the bytes, and a collective costs what ``calibrate.collective_probe`` measured
+  for its op and group (``Cluster.calls``; the link's time where nothing was measured), counted
+  call by call (``collective_calls``, the counts of ``nd``'s code): Gloo's hand-offs between
+  processes, not the bytes, dominate, about a millisecond a call.
 
 With more ranks than cores (``Cluster.oversubscribed``) a rank's time is not its own: the cores
 run whichever ranks are ready, so what is conserved is CPU time. Each rank's CPU seconds per
-step are its compute at one thread's measured rate, its optimizer, and every blocking
-collective it makes (``collective_calls``, the counts of ``nd``'s code) at the CPU a call costs
-a rank when ranks outnumber the cores (``calibrate.collective_probe``: Gloo's hand-offs, not the
-bytes, dominate: about a millisecond a call; without the probe, the link's time). The step is
+step are its compute at one thread's measured rate, its optimizer, and its collectives at the
+CPU seconds the probe measured a call to burn with ranks outnumbering the cores. The step is
 the ranks' CPU seconds shared out over the cores, at the share of their time the ranks fill
 (``Cluster.utilization``, measured by the same probe): sum / (cores x utilization). A
 pipeline's bubble is filled by the other stages' ranks, so it costs nothing there unless one
@@ -137,15 +138,15 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
     n = lay.dp * lay.cp
     if n > 1:
         out["data"], sent["data"] = _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu)
-    if cluster.oversubscribed(lay.world) and cluster.calls:  # the CPU its collectives burn
+    if cluster.cores and cluster.calls:  # the CPU machine: what its collectives cost, measured
         w, g, _ = BYTES[lay.precision]
         grads = g * sum(rank_params(spec, lay, pp_rank))
         tied = w * spec.embedding_params() / t if spec.tied else 0.0
         calls = collective_calls(lay, m, layers, pp_rank, act, kv, grads, boundary, tied)
-        cpu_s = {dim: sum(count * cluster.call_cpu(op, group, payload)
-                          for op, group, count, payload in ops) for dim, ops in calls.items()}
-        out.update({dim: sec for dim, sec in cpu_s.items() if dim != "tied"})
-        out["pp"] += cpu_s.get("tied", 0.0)  # the pipeline's cost: one matrix on two stages
+        cost = {dim: sum(count * cluster.call_cost(op, group, payload)
+                         for op, group, count, payload in ops) for dim, ops in calls.items()}
+        out.update({dim: sec for dim, sec in cost.items() if dim != "tied"})
+        out["pp"] += cost.get("tied", 0.0)  # the pipeline's cost: one matrix on two stages
     return out, sent
 
 
