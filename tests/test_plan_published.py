@@ -103,8 +103,7 @@ def test_with_ranks_outnumbering_cores_a_collective_costs_far_more_than_its_wire
     link = machine.intra
     wire = 2 * 3 / 4 * calibrate.PROBE_SIZES[0] / link.bandwidth + 2 * 3 * link.alpha
     assert machine.call_cost("all_reduce", 4, calibrate.PROBE_SIZES[0]) > 5 * wire
-    with pytest.raises(ValueError, match="did not measure all_reduce over 8"):
-        machine.call_cost("all_reduce", 8, 1.0)
+    assert machine.call_cost("all_reduce", 8, 1.0) is None  # not measured: the planner uses the link
     # two ranks, a core each: a call's wall time, as far above the wire's
     probe = calibrate.collective_probe(2, repeats=5, trials=1, runs_dir=tmp_path)
     pair = clusters.this_machine(peak=1e10, ranks=2, calls=probe.calls)

@@ -2,11 +2,12 @@
 
 First the "this machine" preset is measured for the bench's model (``dlab.plan.calibrate``: one
 thread's rate and fixed costs on that model, every rank measuring at once where they outnumber
-the cores; the fitted link; the CPU each kind of blocking collective costs a rank at 4 and 8
-ranks on these cores and the share of the cores' time the ranks fill), rows "(calibration)" and
-"(probe)" (one call's CPU milliseconds at a 256 KiB payload, a layer's activation of the
-bench's model). Then every layout of ``python -m dlab bench nd`` (the 4- and 8-rank grid;
-``--quick``: three 4-rank layouts) runs under ``nd`` and its figures are set beside
+the cores; the fitted link; what each kind of blocking collective costs a rank at 4 and 8 ranks
+and the share of the cores' time the ranks fill), rows "(calibration)" and "(probe)" (one
+call's milliseconds at a 256 KiB payload, a layer's activation of the bench's model: CPU
+milliseconds where the ranks outnumber the cores, wall milliseconds where not). Then every
+layout of ``python -m dlab bench nd`` (the 4- and 8-rank grid; ``--quick``: three 4-rank
+layouts) runs under ``nd`` and its figures are set beside
 ``dlab.plan.plan`` of the same layout: model state and bytes sent of the fullest rank (exact,
 so the error is 0), the activation peak, the CPU seconds a rank spends in a step (the mean rank:
 ``cpu_ms`` measured, ``cpu_plan_ms`` the plan's), and the step time.
@@ -70,7 +71,7 @@ def run(quick: bool = False) -> list[dict]:
                          "utilization": c.utilization,
                          "alpha_us": c.intra.alpha * 1e6, "link_GBs": c.intra.bandwidth / 1e9})
             rows += [{"layout": f"(probe) {op} over {g}", "ranks": w,
-                      "call_cpu_ms": (fixed + per_byte * PAYLOAD) * 1e3}
+                      "call_ms": (fixed + per_byte * PAYLOAD) * 1e3}
                      for op, g, fixed, per_byte in c.calls]
         grid = [(4, o) for o in QUICK] if quick else [(w, o) for w in worlds for o in layouts(w)]
         for world, options in grid:

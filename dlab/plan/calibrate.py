@@ -3,15 +3,15 @@ much of the cores' time they fill when they outnumber the cores.
 
 Three measurements, none of them a run the planner is then checked against:
 
-- ``compute``: the lab GPT's forward and backward on one thread at two batch sizes (a rate
-  and a fixed part per layer), and one tile of ring attention at two sizes (a fixed part and
+- ``compute``: the lab GPT's forward and backward on one thread at four batch sizes (a rate
+  and a fixed part per layer), and one tile of ring attention at three sizes (a fixed part and
   a part per element); with more ranks than cores every rank measures at once.
 - the link: the alpha-beta fit of ``python -m dlab bench allreduce`` (``cluster.fitted_link``),
   which describes a collective where every rank has a core.
 - ``collective_probe``: with more ranks than cores, a collective is not a message on a wire but
   a chain of hand-offs between processes that take turns on the cores, each one waking Gloo's
   threads: a 16 KiB all-reduce over 4 ranks on 2 cores burns about 1.6 ms of each rank's CPU,
-  some 50 times its wire time, whatever its bytes. No link model predicts that, so the probe
+  some ten times its time on the fitted link, whatever its bytes. No link model predicts that, so the probe
   measures it through dlab's own ``Comm``, every rank in a group of g consecutive ranks (each g
   dividing the world), every group at once, each rank alternating a piece of compute (about a
   layer's share, 1.3 ms alone) with one call, for each op the lab uses (all-reduce, all-gather,
@@ -26,25 +26,25 @@ optimizer's Python), and the CPU a rank burns while it waits, which grows with t
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import dlab
+from dlab.env import usable_cores
 from dlab.plan import cluster as clusters
 
 
-def _cpu_seconds(fn, repeats: int) -> float:
-    """Median CPU seconds of ``fn()`` over ``repeats`` calls after one to warm up. CPU time
-    (``time.process_time``), not wall time: where ranks share the cores a rank's wall time is
-    mostly the others' turns, while the CPU its work burns is its own (a little more than
-    alone: the caches are shared too), and repeats to a few per cent."""
+def _cpu_seconds(fn, repeats: int, clock=time.process_time) -> float:
+    """Median seconds of ``fn()`` on ``clock`` over ``repeats`` calls after one to warm up. CPU
+    time by default (``time.process_time``), not wall time: where ranks share the cores a
+    rank's wall time is mostly the others' turns, while the CPU its work burns is its own (a
+    little more than alone: the caches are shared too), and repeats to a few per cent."""
     times = []
     for _ in range(repeats + 1):
-        start = time.process_time()
+        start = clock()
         fn()
-        times.append(time.process_time() - start)
+        times.append(clock() - start)
     return statistics.median(times[1:])
 
 
@@ -109,8 +109,8 @@ def _costs(cfg, repeats: int = 5, batches=(1, 2, 4, 8)) -> tuple[float, float, f
     finally:
         torch.set_num_threads(threads)
     fixed, per_sequence = _line(steps)
-    return (cfg.hardware_flops_per_token() * cfg.seq_len / per_sequence, fixed / cfg.n_layer,
-            *_line(tiles))
+    return (cfg.hardware_flops_per_token() * cfg.seq_len / max(per_sequence, 1e-9),
+            fixed / cfg.n_layer, *_line(tiles))
 
 
 def compute(cfg, world: int = 1, runs_dir: str = "runs") -> tuple[float, float, tuple[float, float]]:
@@ -127,7 +127,7 @@ def compute(cfg, world: int = 1, runs_dir: str = "runs") -> tuple[float, float, 
     With more ``world`` ranks than cores, every rank measures at once and the ranks' mean is
     taken: sharing the cores (and their caches) makes the same work cost each rank some 5-15 %
     more CPU than alone. Otherwise this process measures alone."""
-    if world <= (os.cpu_count() or 1):
+    if world <= usable_cores():
         rate, fixed, tile, per_element = _costs(cfg)
     else:
         rate, fixed, tile, per_element = (statistics.fmean(col) for col in
@@ -146,14 +146,14 @@ def _work(a, work: int):
     return a
 
 
-def _work_seconds(work: int, repeats: int = 20) -> float:
-    """A piece of compute's CPU seconds in this process alone, on one thread."""
+def _work_seconds(work: int, clock=time.process_time, repeats: int = 20) -> float:
+    """A piece of compute's seconds on ``clock`` in this process alone, on one thread."""
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a = torch.randn(128, 128) / 128
-        return _cpu_seconds(lambda: _work(a, work), repeats)
+        return _cpu_seconds(lambda: _work(a, work), repeats, clock)
     finally:
         torch.set_num_threads(threads)
 
@@ -220,12 +220,10 @@ def _collective_rounds(repeats: int, work: int, trials_: int) -> dict:
 class Probe:
     """What ``collective_probe`` measured at one world size: ``calls``, per (op, group size),
     what one blocking collective costs a rank, fixed and per payload byte (``Cluster.calls``);
-    ``utilization``, the share of the cores' time the ranks' CPU filled
-    (``Cluster.utilization``); ``rounds``, the raw (wall, CPU) seconds per round by (op, g,
-    bytes), the slowest rank's wall and the mean rank's CPU."""
+    ``utilization``, the share of the cores' time the ranks' CPU filled where they outnumber
+    the cores (``Cluster.utilization``; 1 where each rank has a core, and unused)."""
     calls: tuple = ()
     utilization: float = 1.0
-    rounds: dict = field(default_factory=dict)
 
 
 def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int = 7,
@@ -248,12 +246,12 @@ def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int 
 
     Either way the cost is that of hand-offs between processes, not bytes: a 16 KiB all-reduce
     over 4 ranks on 2 cores burns about 1.6 ms of each rank's CPU, some 10 times its time on the
-    fitted link. The utilization is the ranks' CPU over the cores' time in the rounds, sum over
-    ranks / (cores x wall): below 1 where a hand-off leaves a core with no rank ready to run;
-    the median over every op and group."""
-    cores = os.cpu_count() or 1
+    fitted link. The utilization, where ranks outnumber the cores, is the ranks' CPU over the
+    cores' time in the rounds, sum over ranks / (cores x wall): below 1 where a hand-off leaves
+    a core with no rank ready to run; the median over every op, group and payload."""
+    cores = usable_cores()
     shared = world > cores
-    alone = _work_seconds(work)
+    alone = _work_seconds(work, time.process_time if shared else time.perf_counter)
     per_rank = dlab.spawn(_collective_rounds, world, repeats, work, trials, runs_dir=runs_dir)
     small, large = PROBE_SIZES
     rows, fills = [], []
@@ -262,14 +260,14 @@ def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int 
         wall = max(r[key][0] for r in per_rank)
         cpu = statistics.fmean(r[key][1] for r in per_rank)
         rounds[key] = (wall, cpu)
-        fills.append(world * cpu / (min(cores, world) * wall))
+        fills.append(world * cpu / (cores * wall))
     for op, g, size in rounds:
         if size != small:
             continue
         c_small, c_large = (rounds[(op, g, s)][1 if shared else 0] - alone for s in (small, large))
         slope = max(c_large - c_small, 0.0) / (large - small)
         rows.append((op, g, max(c_small - slope * small, 0.0), slope))
-    return Probe(tuple(rows), min(statistics.median(fills), 1.0), rounds)
+    return Probe(tuple(rows), statistics.median(fills) if shared else 1.0)
 
 
 def this_machine(cfg, world: int, runs_dir: str = "runs") -> clusters.Cluster:

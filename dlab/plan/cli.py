@@ -61,11 +61,11 @@ def _line(p) -> str:
     comm = sum(v for k, v in t.items() if k.endswith("_comm"))
     return (f"{p.layout.describe():<52} {t['total']:8.2f} {p.mfu:6.1%} {p.memory['total'] / GB:7.1f} "
             f"{'yes' if p.fits else 'no':>4} {t['compute'] + t['recompute']:8.2f} {comm:7.2f} "
-            f"{t['bubble']:7.2f}")
+            f"{t['bubble'] + t.get('idle_cores', 0.0):7.2f}")
 
 
 HEADER = (f"{'layout':<52} {'step s':>8} {'MFU':>6} {'mem GB':>7} {'fits':>4} "
-          f"{'compute':>8} {'comm':>7} {'bubble':>7}")
+          f"{'compute':>8} {'comm':>7} {'idle':>7}")
 
 
 def run(args) -> int:

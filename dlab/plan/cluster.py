@@ -84,13 +84,14 @@ class Cluster:
         over the cores (``dlab.plan.time``)."""
         return bool(self.cores and world > self.cores)
 
-    def call_cost(self, op: str, group: int, payload: float) -> float:
-        """Seconds one measured collective costs a rank (``calls``)."""
+    def call_cost(self, op: str, group: int, payload: float) -> float | None:
+        """Seconds one measured collective costs a rank (``calls``), or None where the probe did
+        not measure that op over that many ranks (it measures the group sizes that divide its
+        world)."""
         for name, g, fixed, per_byte in self.calls:
             if name == op and g == group:
                 return fixed + per_byte * payload
-        raise ValueError(f"the probe did not measure {op} over {group} ranks; calibrate "
-                         f"'this machine' at this world size (dlab.plan.calibrate.this_machine)")
+        return None
 
     def link(self, span: int) -> Link:
         """The link a group of ``span`` consecutive ranks' collectives run on."""
@@ -133,8 +134,9 @@ def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: floa
                  ring_tile: tuple = (), calls: tuple = (), utilization: float = 1.0) -> Cluster:
     """The lab's CPU: ``peak`` per rank measured now unless given (one thread per rank).
     ``dlab.plan.calibrate.this_machine`` measures every constant for a given model."""
+    from dlab.env import usable_cores
     from dlab.metrics import measure_cpu_peak_flops
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     link = fitted_link(ranks)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = measure_cpu_peak_flops(1) if peak is None else peak

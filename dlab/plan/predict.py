@@ -6,7 +6,7 @@ optimizer (``dlab.plan.time``). On a CPU whose cores the ranks outnumber it is i
 rank's CPU seconds shared out over the cores, plus the cores' time no rank could use
 ("idle_cores"), unless one rank's own chain is longer ("bubble"). Memory is the fullest
 rank's (``dlab.plan.memory``). MFU counts the model's FLOPs (``Transformer.flops_per_token``),
-HFU adds what recomputation repeats, both over the machine's peak: N GPUs', or the CPU's cores'.
+HFU adds what recomputation repeats, both over N ranks' peak (as ``dlab.train`` records them).
 """
 from __future__ import annotations
 
@@ -89,7 +89,9 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
         raise PlanError(f"{lay.describe()}: " + "; ".join(problems))
     m = lay.microbatches(global_batch)
     frac = bubble_fraction(lay, m)
-    ranks = range(lay.pp) if cluster.oversubscribed(lay.world) else sorted({0, lay.pp - 1})
+    # on a GPU cluster the stages differ only at the ends (embedding, head); on the CPU a middle
+    # stage makes twice the end stages' pipeline transfers, each a measured hand-off
+    ranks = range(lay.pp) if cluster.cores else sorted({0, lay.pp - 1})
     stages = [_stage(spec, cluster, lay, global_batch, seq_len, r) for r in ranks]
     parts = _step(stages, cluster, lay, frac)
     parts["total"] = sum(parts.values())
@@ -103,8 +105,7 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
     tokens = global_batch * seq_len
     model_flops = spec.flops_per_token(seq_len) * tokens
     hw_flops = model_flops + spec.recompute_flops_per_token(seq_len, lay.recompute) * tokens
-    # the machine's peak: N GPUs', or the CPU's cores' however many ranks share them
-    peak = cluster.peak * (min(lay.world, cluster.cores) if cluster.cores else lay.world)
+    peak = cluster.peak * lay.world  # per rank, as the runs record MFU (dlab.train)
     capacity = cluster.memory - cluster.reserved
     notes = list(ASSUMED)
     if cluster.oversubscribed(lay.world):

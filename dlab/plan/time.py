@@ -26,7 +26,7 @@ all-gather or reduce-scatter, plus alpha per ring step. What is assumed hidden:
   gathers behind each micro-batch's forward and backward; what does not fit in a window shows;
 - on the CPU machine (``Cluster.cores``) nothing hides: the cores that would compute are the
   ones that move the bytes, and a collective costs what ``calibrate.collective_probe`` measured
-  for its op and group (``Cluster.calls``; the link's time where nothing was measured), counted
+  for its op and group (``Cluster.calls``; the link's time for a group it did not measure), counted
   call by call (``collective_calls``, the counts of ``nd``'s code): Gloo's hand-offs between
   processes, not the bytes, dominate, about a millisecond a call.
 
@@ -139,14 +139,15 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
     if n > 1:
         out["data"], sent["data"] = _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu)
     if cluster.cores and cluster.calls:  # the CPU machine: what its collectives cost, measured
-        w, g, _ = BYTES[lay.precision]
+        g = BYTES[lay.precision][1]
         grads = g * sum(rank_params(spec, lay, pp_rank))
-        tied = w * spec.embedding_params() / t if spec.tied else 0.0
+        tied = g * spec.embedding_params() / t if spec.tied else 0.0
         calls = collective_calls(lay, m, layers, pp_rank, act, kv, grads, boundary, tied)
-        cost = {dim: sum(count * cluster.call_cost(op, group, payload)
-                         for op, group, count, payload in ops) for dim, ops in calls.items()}
-        out.update({dim: sec for dim, sec in cost.items() if dim != "tied"})
-        out["pp"] += cost.get("tied", 0.0)  # the pipeline's cost: one matrix on two stages
+        calls["pp"] = calls.get("pp", []) + calls.pop("tied", [])  # one matrix on two stages
+        for dim, ops in calls.items():
+            each = [cluster.call_cost(op, group, payload) for op, group, _, payload in ops]
+            if None not in each:  # else the link's time: the probe did not measure that group
+                out[dim] = sum(count * sec for (_, _, count, _), sec in zip(ops, each))
     return out, sent
 
 
