@@ -53,7 +53,16 @@ def test_a_rank_raising_while_the_others_wait_restarts_the_pool(pool):
     assert error is None and results == [2.0, 2.0]
 
 
-def test_a_hung_cell_is_interrupted_and_the_pool_recovers(pool):
+@pytest.fixture
+def interruptible():
+    """SIGINT raising KeyboardInterrupt, as in a kernel: a test run started in the background
+    inherits SIGINT ignored, and Python then leaves it so."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_hung_cell_is_interrupted_and_the_pool_recovers(pool, interruptible):
     """The kernel's interrupt is a SIGINT to the thread waiting for the ranks."""
     timer = threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     start = time.monotonic()
