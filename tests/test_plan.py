@@ -119,6 +119,32 @@ def test_recomputation_trades_time_for_memory():
     assert runs["none"].hfu == runs["none"].mfu
 
 
+def test_selective_recomputation_runs_a_math_cores_softmax_and_dropout_again():
+    # the scores' element-wise work is what a math core adds to the forward, and what selective
+    # recomputation (Korthikanti et al. 2022, sec. 5) runs again in backward
+    gpt = models.preset("gpt3-175b")
+    lay = PlanLayout(tp=8, pp=8, sp=True, recompute="selective")
+    runs = {a: plan(gpt, clusters.preset("a100-80gb"), dataclasses.replace(lay, attention=a), 64, 2048)
+            for a in ("flash", "math")}
+    added = runs["math"].time["compute"] - runs["flash"].time["compute"]
+    assert added > 0
+    # compute is forward + backward (3 forwards' worth of element-wise work); recompute one more
+    recomputed = runs["math"].time["recompute"] - runs["flash"].time["recompute"]
+    assert recomputed == pytest.approx(added / 3, rel=1e-9)
+
+
+def test_a_reduction_after_backward_shows_whole():
+    lay = PlanLayout(dp=32, tp=8, recompute="full")
+    overlapped = plan(LLAMA70, H100, lay, 256, 4096)
+    after = plan(LLAMA70, H100, dataclasses.replace(lay, grad_overlap=False), 256, 4096)
+    # overlapped, the last micro-batch's backward hides part of it
+    assert 0 < overlapped.time["data_comm"] < after.time["data_comm"]
+    # unhidden: the ring's bytes over the inter-node link, plus its 2 (n-1) steps of latency
+    link = H100.inter
+    assert after.time["data_comm"] == pytest.approx(
+        overlapped.sent["data"] / link.bandwidth + 2 * 31 * link.alpha, rel=1e-6)
+
+
 def test_bad_layouts_are_refused_with_what_to_change():
     with pytest.raises(PlanError, match="must divide the 64 heads"):
         plan(LLAMA70, H100, PlanLayout(tp=3), 8, 4096)

@@ -43,6 +43,10 @@ class PlanLayout:
     #: tensor-parallel communication overlapped with the matmuls (Transformer Engine's
     #: userbuffers, MegaScale); off by default, as in Megatron-LM's papers
     tp_overlap: bool = False
+    #: the data ranks' gradient reduction overlapped with backward (PyTorch DDP's buckets,
+    #: Megatron-LM's --overlap-grad-reduce since 2023); False for Megatron-LM 2021-22's "local"
+    #: DDP, its default, which all-reduced the gradients after the whole pipeline's backward
+    grad_overlap: bool = True
 
     @property
     def world(self) -> int:

@@ -50,9 +50,13 @@ class Prediction:
         return out
 
 
-ASSUMED = ["tp communication exposed unless tp_overlap; cp's K/V passes hidden behind attention; "
-           "the gradient reduction behind the last micro-batch's backward; ZeRO-3's gathers behind "
-           "each micro-batch's compute; pipeline transfers and expert all-to-alls exposed"]
+def assumed(lay) -> list[str]:
+    """The overlaps a prediction assumes (``dlab.plan.time``)."""
+    grads = ("the gradient reduction behind the last micro-batch's backward" if lay.grad_overlap
+             else "the gradient reduction after the last backward, exposed")
+    return [f"tp communication {'hidden' if lay.tp_overlap else 'exposed'}; cp's K/V passes hidden "
+            f"behind attention; {grads}; ZeRO-3's gathers behind each micro-batch's compute; "
+            "pipeline transfers and expert all-to-alls exposed"]
 
 
 def _stage(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int) -> dict:
@@ -107,7 +111,7 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
     hw_flops = model_flops + spec.recompute_flops_per_token(seq_len, lay.recompute) * tokens
     peak = cluster.peak * lay.world  # per rank, as the runs record MFU (dlab.train)
     capacity = cluster.memory - cluster.reserved
-    notes = list(ASSUMED)
+    notes = assumed(lay)
     if cluster.oversubscribed(lay.world):
         notes.append(f"{lay.world} ranks share {cluster.cores} cores: the step is their CPU seconds "
                      f"over the cores at {cluster.utilization:.0%} filled; nothing overlaps")

@@ -19,7 +19,8 @@ all-gather or reduce-scatter, plus alpha per ring step. What is assumed hidden:
 - ep: nothing (dispatch and combine all-to-alls wait for the tokens);
 - pp: each of the v m forward and v m backward boundary transfers of a rank is exposed;
 - data (dp x cp ranks): the gradient reduction hides behind the last micro-batch's backward
-  (bucketed, as DDP and Megatron's overlap-grad-reduce do), ZeRO-1/2's parameter all-gather
+  (bucketed, as DDP and Megatron's overlap-grad-reduce do; all of it shows without
+  ``grad_overlap``, as in Megatron-LM 2021-22's local DDP), ZeRO-1/2's parameter all-gather
   behind the first micro-batch's forward; ZeRO-2 and 3 reduce-scatter every micro-batch's
   gradients behind its backward (a sharded gradient cannot accumulate the whole one: DeepSpeed's
   rule; dlab's ``nd`` instead keeps the whole gradient until the last micro-batch), ZeRO-3
@@ -79,9 +80,11 @@ def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, f
     elementwise += (6 if spec.mlp == "swiglu" else 4) * s * b * f / t * experts
     if spec.dropout:
         elementwise += 3 * 5 * s * b * h / r
+    core = 0.0  # the attention core's own element-wise work: a math core's softmax and dropout
     if lay.attention == "math":
-        elementwise += (4 + (5 if spec.dropout else 0)) * spec.n_head * s * seq_len * b / t
-    ew = layers * elementwise * e / 2 / cluster.hbm  # counted in 16-bit elements above
+        core = (4 + (5 if spec.dropout else 0)) * spec.n_head * s * seq_len * b / t
+    to_seconds = layers * e / 2 / cluster.hbm  # counted in 16-bit elements above
+    ew, core_ew = (elementwise + core) * to_seconds, core * to_seconds
     mm = mm_flops / (peak * cluster.matmul_efficiency)
     attn = attn_flops / (peak * cluster.attention_efficiency)
     if lay.cp > 1 and cluster.ring_tile:
@@ -95,7 +98,9 @@ def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, f
     overhead = layers * cluster.layer_overhead
     forward = mm + attn + ew + overhead / 3
     backward = 2 * (mm + attn + ew) + 2 * overhead / 3
-    recompute = {"full": forward, "selective": attn}.get(lay.recompute, 0.0)
+    # selective recomputation runs the attention core's forward again: its matmuls and, for a
+    # math core, the softmax and dropout over the s x s scores (Korthikanti et al. 2022, sec. 5)
+    recompute = {"full": forward, "selective": attn + core_ew}.get(lay.recompute, 0.0)
     return {"forward": forward, "backward": backward, "recompute": recompute,
             "attention_forward": attn / layers if layers else 0.0, "layers": layers}
 
@@ -207,6 +212,8 @@ def _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu) -> tuple[float, 
     dense, experts = rank_params(spec, lay, pp_rank)
     groups = [(dense, n)] + ([(experts, n // lay.ep)] if experts and n // lay.ep > 1 else [])
     f, bwd = comp["forward"], comp["backward"] + comp["recompute"]
+    if not lay.grad_overlap:
+        bwd = 0.0  # reduced after the last backward: nothing to hide behind
     exposed = sent = 0.0
     for psi, k in groups:
         ring = (k - 1) / k
