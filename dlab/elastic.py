@@ -22,7 +22,7 @@ and the parameters match one to float summation order (1e-5 in fp32), not bitwis
 
 Settings, and why:
 
-- ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``launch._worker_env``): with the store shared
+- ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``launch.worker_env``): with the store shared
   (torch's default) an agent caches the workers' store address from its first rendezvous, so
   after a membership change the agent that was rank 0 never publishes it in the new round and
   a returning agent waits for it until the join timeout (seen with torch 2.13).
@@ -43,14 +43,14 @@ import psutil
 from dlab.config import ConfigError, RunConfig
 from dlab.launch import (
     Run,
-    _binds_its_port,
-    _kill_tree,
-    _spawn_tied_to_this_process,
-    _worker_env,
+    binds_its_port,
     check_runs_dir,
     free_port,
+    kill_tree,
     process_tree,
     signal_each,
+    spawn_tied_to_this_process,
+    worker_env,
 )
 from dlab.runs import JsonlTail, RunDir
 
@@ -95,12 +95,12 @@ def rehearse(strategy: str = "ddp", agents: int = 2, nproc: int = 2, *, lose_at:
            f"--max-restarts={MAX_RESTARTS}", "--monitor-interval=0.1", "-m", "dlab.worker",
            "--run-dir", str(run_dir.path.resolve()), "--config", str(run_dir / "config.json"),
            "--elastic"]
-    env = _worker_env(cfg.threads_per_rank, restarts=True)
+    env = worker_env(cfg.threads_per_rank, restarts=True)
     agents_up: list[subprocess.Popen] = []
 
     def start(i: int) -> subprocess.Popen:
         with open(run_dir / f"agent{i}.log", "ab") as log:
-            proc = _spawn_tied_to_this_process(cmd, log, env)
+            proc = spawn_tied_to_this_process(cmd, log, env)
         agents_up.append(proc)
         return proc
 
@@ -128,7 +128,7 @@ def rehearse(strategy: str = "ddp", agents: int = 2, nproc: int = 2, *, lose_at:
                                f"{run_dir.path}/agent*.log and {run_dir.path}/logs/")
 
     try:
-        if not _binds_its_port(start(0), port):
+        if not binds_its_port(start(0), port):
             raise RuntimeError(f"another process took rendezvous port {port}; run again")
         for i in range(1, agents):
             start(i)
@@ -145,7 +145,7 @@ def rehearse(strategy: str = "ddp", agents: int = 2, nproc: int = 2, *, lose_at:
     finally:
         for p in agents_up:
             if p.poll() is None:
-                _kill_tree(p, grace=1.0)
+                kill_tree(p, grace=1.0)
     return Elastic(Run(run_dir.path), lost_s=t_small - t_lost, back_s=t_full - t_back,
                    redone_steps=len(seen) - len({m["step"] for m in seen}), phases=_phases(seen),
                    exit_codes=codes)

@@ -92,7 +92,7 @@ def _check_wall_timeout(timeout) -> None:
                           f"be a positive number of seconds or None (got {timeout!r})")
 
 
-def _worker_env(threads: int, restarts: bool) -> dict[str, str]:
+def worker_env(threads: int, restarts: bool) -> dict[str, str]:
     env = dict(os.environ)
     # The worker imports dlab from wherever this process did, installed or not.
     package_root = str(Path(__file__).resolve().parent.parent)
@@ -120,7 +120,7 @@ def start_torchrun(run_dir: RunDir, nproc: int, worker_args: list[str], threads:
     rendezvous timeout. So this waits (typically 1-3 s: torchrun importing torch) until
     torchrun's own process listens on the port; if another process listens there instead, it
     stops this torchrun and starts again on another port (``RDZV_TRIES`` times in all)."""
-    env = _worker_env(threads, max_restarts > 0)
+    env = worker_env(threads, max_restarts > 0)
     for attempt in range(1, RDZV_TRIES + 1):
         port = free_port()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
@@ -129,13 +129,13 @@ def start_torchrun(run_dir: RunDir, nproc: int, worker_args: list[str], threads:
                f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
                "-m", "dlab.worker", "--run-dir", str(run_dir.path.resolve()), *worker_args]
         with open(run_dir / "torchrun.log", "ab") as log:
-            proc = _spawn_tied_to_this_process(cmd, log, env)
+            proc = spawn_tied_to_this_process(cmd, log, env)
         write_json(run_dir / "launch.json", {"command": cmd, "port": port, "pid": proc.pid,
                                              "host": socket.gethostname(), "started": time.time(),
                                              "attempt": attempt})
-        if _binds_its_port(proc, port):
+        if binds_its_port(proc, port):
             break
-        _kill_tree(proc, grace=1.0)
+        kill_tree(proc, grace=1.0)
         with open(run_dir / "torchrun.log", "a") as log:
             print(f"[dlab] another process took rendezvous port {port} before torchrun bound "
                   f"it; stopped this torchrun and started again on a new port", file=log)
@@ -147,7 +147,7 @@ def start_torchrun(run_dir: RunDir, nproc: int, worker_args: list[str], threads:
     return run
 
 
-def _binds_its_port(proc: subprocess.Popen, port: int) -> bool:
+def binds_its_port(proc: subprocess.Popen, port: int) -> bool:
     """True once ``proc`` listens on ``port`` (or has exited: its failure is reported the usual
     way), or when ``RDZV_BIND_WAIT`` passes with the port still free; False as soon as the port
     is in use by a process other than ``proc``."""
@@ -182,7 +182,7 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
-def _spawn_tied_to_this_process(cmd: list[str], log, env: dict) -> subprocess.Popen:
+def spawn_tied_to_this_process(cmd: list[str], log, env: dict) -> subprocess.Popen:
     """Popen torchrun in its own session (so a stop can signal its group) and, on Linux, with
     a parent-death signal: the kernel SIGKILLs torchrun when this process dies, however it dies
     (kill -9, a killed kernel, a cancelled job); its ranks follow (``worker._die_with_parent``).
@@ -386,7 +386,7 @@ class Run:
             if self.proc is not None:
                 self._finish()
             return
-        _kill_tree(self.proc, grace)
+        kill_tree(self.proc, grace)
         self._finish(reason)
 
     def _finish(self, reason: str | None = None) -> None:
@@ -408,7 +408,7 @@ class Run:
         _LIVE.discard(self)
 
 
-def _kill_tree(proc: subprocess.Popen, grace: float) -> None:
+def kill_tree(proc: subprocess.Popen, grace: float) -> None:
     procs = process_tree(proc)
     try:
         os.killpg(proc.pid, signal.SIGTERM)

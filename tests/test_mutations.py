@@ -18,7 +18,8 @@ from mutations import MUTATIONS, ROOT  # noqa: E402
 def test_each_planted_edit_applies_once_and_its_tests_exist(mutation):
     text = (ROOT / mutation.path).read_text()
     for old, new in mutation.edits:
-        assert text.count(old) == 1, f"{mutation.name}: {mutation.path} holds {text.count(old)} copies of {old!r}"
+        found = text.count(old)
+        assert found == 1, f"{mutation.name}: {mutation.path} holds {found} copies of {old!r}"
         assert old != new
     for node in mutation.tests:
         path, name = node.split("::")
