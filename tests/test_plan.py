@@ -190,3 +190,8 @@ def test_cli_ranks_and_refuses_bad_input(capsys):
     assert "key one of" in capsys.readouterr().err
     assert main(["plan", "--layout", "tp=8,pp=4", "--gpus", "48"]) == 2
     assert "does not divide --gpus 48" in capsys.readouterr().err
+    assert main(["plan", "--layout", "tp=8,grad_overlap=maybe"]) == 2
+    assert "write grad_overlap=1 or grad_overlap=0" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3-8b", "--layout", "tp=8,grad_overlap=off,sp=on"]) == 0
+    out = capsys.readouterr().out
+    assert "tp8 sp" in out and "after the last backward" in out

@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--json", help="write the rows to this file")
 
 
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def parse_layout(text: str) -> PlanLayout:
     fields = {f.name: f.type for f in dataclasses.fields(PlanLayout)}
     values = {}
@@ -40,10 +43,14 @@ def parse_layout(text: str) -> PlanLayout:
         key = key.strip()
         if not sep or key not in fields:
             raise ConfigError(f"--layout item {item!r}: use key=value with key one of {', '.join(fields)}")
-        kind = fields[key]
+        kind, val = fields[key], val.strip()
+        if kind in ("bool", bool):
+            if val.lower() not in TRUE + FALSE:
+                raise ConfigError(f"--layout {key}={val!r}: {key} is on or off; write {key}=1 or {key}=0")
+            values[key] = val.lower() in TRUE
+            continue
         try:
-            values[key] = (val.strip().lower() in ("1", "true", "yes") if kind in ("bool", bool) else
-                           int(val) if kind in ("int", int) else val.strip())
+            values[key] = int(val) if kind in ("int", int) else val
         except ValueError:
             raise ConfigError(f"--layout {key}={val!r}: {key} takes a whole number") from None
     return PlanLayout(**values)
