@@ -8,11 +8,12 @@ published sizes of the presets.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from dlab.plan import PlanError, PlanLayout, clusters, models, plan
-from dlab.plan.memory import activations, layer_bytes, layer_terms, model_state, state_bytes
+from dlab.plan.memory import activations, layer_bytes, layer_terms, model_state, rank_params, state_bytes
 from dlab.plan.search import layouts, pareto, search
 
 GB = 1e9
@@ -145,6 +146,19 @@ def test_a_reduction_after_backward_shows_whole():
         overlapped.sent["data"] / link.bandwidth + 2 * 31 * link.alpha, rel=1e-6)
 
 
+def test_without_grad_overlap_only_the_reduction_shows_and_zero3_gathers_still_hide():
+    lay = PlanLayout(dp=32, tp=8, zero=3, recompute="full")
+    overlapped = plan(LLAMA70, H100, lay, 256, 4096)
+    after = plan(LLAMA70, H100, dataclasses.replace(lay, grad_overlap=False), 256, 4096)
+    # every micro-batch's reduce-scatter now shows whole; the gathers are charged as before
+    m, psi = 8, sum(rank_params(LLAMA70, lay, 0))
+    reduce = 31 / 32 * 2 * psi / H100.inter.bandwidth + 31 * H100.inter.alpha
+    overlapped_reduce = m * max(0.0, reduce - overlapped.time["compute"] / m * 2 / 3
+                                - overlapped.time["recompute"] / m)
+    assert after.time["data_comm"] - overlapped.time["data_comm"] == pytest.approx(
+        m * reduce - overlapped_reduce, rel=1e-6)
+
+
 def test_bad_layouts_are_refused_with_what_to_change():
     with pytest.raises(PlanError, match="must divide the 64 heads"):
         plan(LLAMA70, H100, PlanLayout(tp=3), 8, 4096)
@@ -194,4 +208,16 @@ def test_cli_ranks_and_refuses_bad_input(capsys):
     assert "write grad_overlap=1 or grad_overlap=0" in capsys.readouterr().err
     assert main(["plan", "--model", "llama3-8b", "--layout", "tp=8,grad_overlap=off,sp=on"]) == 0
     out = capsys.readouterr().out
-    assert "tp8 sp" in out and "after the last backward" in out
+    assert "tp8 sp" in out and "not overlapped with backward" in out
+
+
+def test_cli_prints_the_published_rows_beside_their_predictions(capsys, tmp_path):
+    from dlab.__main__ import main
+    from dlab.plan import published
+    out_file = tmp_path / "published.json"
+    assert main(["plan", "--published", "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    rows = published.check()
+    assert f"mean absolute error: {published.mean_abs_error(rows):.1%} over {len(rows)}" in out
+    assert all(r["model"] in out for r in rows)
+    assert len(json.loads(out_file.read_text())) == len(rows)

@@ -2,6 +2,7 @@
 
     python -m dlab plan --model llama3-70b --cluster h100-sxm --gpus 1024 --seq 8192 --batch 1024
     python -m dlab plan --model llama3-70b --gpus 1024 --layout tp=8,pp=8,zero=1,v=5,schedule=interleaved
+    python -m dlab plan --published     # the published configurations beside their predictions
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import time
 
 from dlab.config import ConfigError
-from dlab.plan import clusters, models
+from dlab.plan import clusters, models, published
 from dlab.plan.layout import PlanLayout
 from dlab.plan.predict import PlanError, plan
 from dlab.plan.search import pareto, search
@@ -30,6 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument("--pareto", action="store_true", help="print the memory/time Pareto front too")
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--published", action="store_true",
+                   help="instead: every published configuration (dlab.plan.published) beside its "
+                        "prediction, and the mean absolute error")
 
 
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -76,6 +80,19 @@ HEADER = (f"{'layout':<52} {'step s':>8} {'MFU':>6} {'mem GB':>7} {'fits':>4} "
 
 
 def run(args) -> int:
+    if args.published:
+        results = published.check()
+        print(published.table(results))
+        rows = results
+    else:
+        rows = _plan(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _plan(args) -> list[dict]:
     spec, cluster = _presets(args)
     if args.layout:
         lay = parse_layout(args.layout)
@@ -120,7 +137,4 @@ def run(args) -> int:
             for p in pareto(fit):
                 print(_line(p))
         rows = [p.row() for p in preds]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return rows

@@ -53,7 +53,7 @@ class Prediction:
 def assumed(lay) -> list[str]:
     """The overlaps a prediction assumes (``dlab.plan.time``)."""
     grads = ("the gradient reduction behind the last micro-batch's backward" if lay.grad_overlap
-             else "the gradient reduction after the last backward, exposed")
+             else "the gradient reduction not overlapped with backward, exposed")
     return [f"tp communication {'hidden' if lay.tp_overlap else 'exposed'}; cp's K/V passes hidden "
             f"behind attention; {grads}; ZeRO-3's gathers behind each micro-batch's compute; "
             "pipeline transfers and expert all-to-alls exposed"]

@@ -15,8 +15,9 @@ Conventions:
   (Llama 3; PaLM's convention).
 - ``iteration_s``: the step time itself.
 
-What the rows show (``check``; notebook 11 and the README print the table): a mean absolute
-throughput error of 9.5 % over 21 configurations from three papers, from 8 to 16,384 GPUs.
+What the rows show (``check``; ``python -m dlab plan --published`` and notebook 11 print the
+table): a mean absolute throughput error of 9.5 % over 21 configurations from three papers,
+from 8 to 16,384 GPUs.
 """
 from __future__ import annotations
 
@@ -158,3 +159,15 @@ def check(rows: list[Published] | None = None) -> list[dict]:
 def mean_abs_error(results: list[dict]) -> float:
     """Mean absolute throughput error (TFLOP/s per GPU, or MFU) over the rows."""
     return sum(abs(r["throughput_error"]) for r in results) / len(results)
+
+
+def table(results: list[dict]) -> str:
+    """``check``'s rows as text: each configuration, the paper's figure, the plan's and the error
+    in the paper's metric; then the mean absolute throughput error and the sources."""
+    lines = [f"{'model':14s} {'GPUs':>5s} {'layout':44s} {'metric':>14s} "
+             f"{'paper':>7s} {'plan':>7s} {'error':>6s}"]
+    lines += [f"{r['model']:14s} {r['gpus']:5d} {r['layout'][:44]:44s} {r['metric']:>14s} "
+              f"{r['published']:7.3g} {r['predicted']:7.3g} {r['error']:+6.1%}" for r in results]
+    lines.append(f"mean absolute error: {mean_abs_error(results):.1%} over {len(results)} configurations")
+    lines += [f" - {source}" for source in dict.fromkeys(r["source"] for r in results)]
+    return "\n".join(lines)

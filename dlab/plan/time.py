@@ -212,8 +212,9 @@ def _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu) -> tuple[float, 
     dense, experts = rank_params(spec, lay, pp_rank)
     groups = [(dense, n)] + ([(experts, n // lay.ep)] if experts and n // lay.ep > 1 else [])
     f, bwd = comp["forward"], comp["backward"] + comp["recompute"]
-    if not lay.grad_overlap:
-        bwd = 0.0  # reduced after the last backward: nothing to hide behind
+    # what a reduction hides behind: a backward, or nothing when it runs after the last one
+    # (ZeRO-3's backward gathers still hide behind the backward that needs them)
+    hide = bwd if lay.grad_overlap else 0.0
     exposed = sent = 0.0
     for psi, k in groups:
         ring = (k - 1) / k
@@ -227,11 +228,11 @@ def _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu) -> tuple[float, 
         if cpu:
             exposed += reduce + gather * (2 * m if lay.zero == 3 else 1)
         elif lay.zero == 3:
-            exposed += m * (max(0.0, gather - f) + max(0.0, gather - bwd) + max(0.0, reduce - bwd))
+            exposed += m * (max(0.0, gather - f) + max(0.0, gather - bwd) + max(0.0, reduce - hide))
         elif lay.zero == 2:
-            exposed += m * max(0.0, reduce - bwd) + max(0.0, gather - f)
+            exposed += m * max(0.0, reduce - hide) + max(0.0, gather - f)
         else:
-            exposed += max(0.0, reduce - bwd) + max(0.0, gather - f)
+            exposed += max(0.0, reduce - hide) + max(0.0, gather - f)
     return exposed, sent
 
 
