@@ -4,11 +4,11 @@
     run = dlab.launch("torch-ddp", world_size=4, steps=20, wait=True)
     run.summary()
 """
-from dlab.config import ConfigError, RunConfig
-from dlab.diagnose import RunFailed
-from dlab.launch import Run, attach, launch
-from dlab.plots import compare as compare  # re-export; matplotlib loads on first call
-from dlab.spawn import spawn
+from dlab.core.config import ConfigError, RunConfig
+from dlab.analysis.diagnose import RunFailed
+from dlab.procs.launch import Run, attach, launch
+from dlab.ui.plots import compare as compare  # re-export; matplotlib loads on first call
+from dlab.procs.spawn import spawn
 
 __version__ = "0.1.0"
 
@@ -17,5 +17,5 @@ __all__ = ["ConfigError", "Run", "RunConfig", "RunFailed", "attach", "launch", "
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext dlab``: registers the ``%%distributed`` cell magic."""
-    from dlab.magic import register_magics
+    from dlab.tools.magic import register_magics
     register_magics(ipython)

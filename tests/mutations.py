@@ -89,7 +89,7 @@ MUTATIONS = [
     Mutation(
         "async-ckpt-no-copy",
         "checkpoint pieces reference the live tensors instead of copying them",
-        "dlab/checkpoint.py",
+        "dlab/runtime/checkpoint.py",
         (("    data = to_host(flat)\n", "    data = flat\n"),),
         ("tests/test_checkpoint.py::test_async_and_full_checkpoints_resume_the_same",
          "tests/test_checkpoint.py::test_an_async_save_holds_the_values_of_the_step_it_was_called_at"),

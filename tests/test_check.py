@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from dlab import check
+from dlab.tools import check
 
 
 def test_plan_follows_the_gpus_there_are():

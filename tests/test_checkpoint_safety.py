@@ -10,8 +10,9 @@ import torch
 from helpers import TINY_GPT
 
 import dlab
-from dlab import checkpoint, models
-from dlab.config import RunConfig
+from dlab import models
+from dlab.runtime import checkpoint
+from dlab.core.config import RunConfig
 
 GPT2 = TINY_GPT["model_options"]  # n_layer=2, d_model=32, n_head=2, seq_len=32
 

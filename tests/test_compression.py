@@ -2,7 +2,7 @@
 
 For each method, from one launch per (method, world size), shared by every check:
 
-(a) bytes: each step's ``sent_bytes`` equal ``dlab.estimate.compression``'s formula (ring
+(a) bytes: each step's ``sent_bytes`` equal ``dlab.theory.compression``'s formula (ring
     convention), and the bytes measured on the wire equal its model of Gloo's algorithms;
 (b) the rule: PowerSGD and top-k train exactly (fp32, 1e-5 on the parameters) like a
     one-process replay of the papers' rules over the N shards, written below as plain tensor
@@ -29,9 +29,9 @@ import torch
 from helpers import TINY_GPT, assert_ranks_agree, final_state, losses, max_param_diff
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.data import make_data, shard
-from dlab.estimate import compression as est
+from dlab.core.config import ConfigError, RunConfig
+from dlab.models.data import make_data, shard
+from dlab.theory import compression as est
 
 CAP_MB = 0.02  # ~20 KiB: the tiny GPT's 136 KiB of gradients make 7 buckets
 CAP = int(CAP_MB * 2 ** 20)

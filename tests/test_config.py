@@ -8,7 +8,7 @@ from helpers import TINY_GPT
 
 import dlab
 from dlab import parallel
-from dlab.config import RunConfig
+from dlab.core.config import RunConfig
 
 # The first strategy lookup imports every strategy module (seconds on a loaded 2-core machine);
 # done here, so the time bound below measures the check, not the imports.
@@ -60,7 +60,7 @@ def test_a_system_without_posix_sessions_is_refused_before_start(monkeypatch):
     """What needs Linux (process sessions and signals) is refused with a message saying so."""
     import os
 
-    from dlab.config import ConfigError, RunConfig
+    from dlab.core.config import ConfigError, RunConfig
     monkeypatch.setattr(os, "name", "nt")
     with pytest.raises(ConfigError, match="WSL"):
         RunConfig(strategy="single", world_size=1).validate()

@@ -1,5 +1,5 @@
 """The ``cp`` strategy trains exactly like ``single`` (ring, all-gather, Ulysses and USP attention, zigzag and
-contiguous layouts, 2 and 4 ranks, and CP x DP), sends per step what ``dlab.estimate.context`` says, and
+contiguous layouts, 2 and 4 ranks, and CP x DP), sends per step what ``dlab.theory.context`` says, and
 refuses a configuration it cannot split before any process starts."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from helpers import TINY_GPT, assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError
-from dlab.estimate import context as est
+from dlab.core.config import ConfigError
+from dlab.theory import context as est
 from dlab.models import model_config
 
 CP_GPT = {**TINY_GPT, "model_options": {**TINY_GPT["model_options"], "seq_len": 32}}

@@ -2,7 +2,7 @@
 
 Parity: each trains exactly like ``single`` on the same global batch at 2 and 4 ranks (fp32,
 1e-5 absolute: the ranks sum the same gradients in another order). Bytes: what each rank sent
-and received per step equals ``dlab.estimate.data_parallel``'s formula. One launch per
+and received per step equals ``dlab.theory.data_parallel``'s formula. One launch per
 (strategy, options, world size) serves both checks, since launches are what costs here.
 """
 from __future__ import annotations
@@ -17,15 +17,15 @@ from helpers import TINY_GPT, assert_ranks_agree, assert_same_training, final_st
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.data import make_data, shard
-from dlab.estimate import data_parallel as est
-from dlab.estimate.comm import AlphaBeta
+from dlab.core.config import ConfigError, RunConfig
+from dlab.models.data import make_data, shard
+from dlab.theory import data_parallel as est
+from dlab.theory.comm import AlphaBeta
 from dlab.models import model_config
 from dlab.parallel.data_parallel.buckets import assign, build_buckets
 from dlab.parallel.data_parallel.ddp import ring_algorithm
 from dlab.parallel.data_parallel.parameter_server import AsyncParameterServer
-from dlab.timeline import Timeline
+from dlab.core.events import Timeline
 
 CAP_MB = 0.02  # ~20 KiB: the tiny GPT's 136 KiB of gradients make several buckets
 PARAM_BYTES = 4 * model_config("gpt", TINY_GPT["model_options"]).n_params()

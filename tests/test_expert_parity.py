@@ -7,7 +7,7 @@ import pytest
 from helpers import TINY_GPT, assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError
+from dlab.core.config import ConfigError
 from dlab.models import model_config
 
 N_EXPERT = 4

@@ -9,7 +9,7 @@ costs here):
 - with H > 1, each rule trains exactly like a one-process simulation of N replicas written
   below from the papers' rules (not from the strategy's code), and every rank ends equal;
 - ``local-sgd`` averaging and PyTorch's ``PeriodicModelAverager`` train the same;
-- each step moves the bytes of ``dlab.estimate.local_sgd``: an all-reduce of the parameters on
+- each step moves the bytes of ``dlab.theory.local_sgd``: an all-reduce of the parameters on
   a sync step, nothing on the others;
 - over the run both end within a stated loss tolerance of ``ddp``.
 
@@ -25,10 +25,10 @@ import torch
 from helpers import TINY_GPT, assert_ranks_agree, assert_same_training, final_state, losses, max_param_diff
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.data import make_data, shard
-from dlab.estimate import comm as comm_model
-from dlab.estimate import local_sgd as est
+from dlab.core.config import ConfigError, RunConfig
+from dlab.models.data import make_data, shard
+from dlab.theory import comm as comm_model
+from dlab.theory import local_sgd as est
 from dlab.models import model_config
 
 #: 18 steps: a run long enough for the loss to move, and not a multiple of H = 4, so the

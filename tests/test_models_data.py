@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from dlab.corpus import make_corpus
-from dlab.data import CORPUS, TokenData, shard
+from dlab.models.corpus import make_corpus
+from dlab.models.data import CORPUS, TokenData, shard
 from dlab.models import GPTConfig, build
 
 

@@ -12,9 +12,9 @@ import pytest
 from helpers import assert_same_training
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.estimate import nd
-from dlab.parallel.nd.layout import Layout
+from dlab.core.config import ConfigError, RunConfig
+from dlab.theory import nd
+from dlab.layout.layout import Layout
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
@@ -53,7 +53,7 @@ def _id(case) -> str:
 def check(world, config, options, runs_dir, reference, reference_config=None):
     """Parity with ``single`` (trained as ``reference_config``, default ``config``), then every
     rank's model state, (GPT) bytes sent per step in total and by dimension, and activation peak
-    against ``dlab.estimate.nd``: state and bytes to the byte; activations to 2 % (the meter
+    against ``dlab.theory.nd``: state and bytes to the byte; activations to 2 % (the meter
     counts an index tensor by its whole storage, and a micro-batch's slice keeps the rank's
     batch; a missing layer would be 25 %)."""
     run = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, save_final=True,

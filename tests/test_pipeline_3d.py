@@ -1,15 +1,15 @@
 """3D parallelism: pipeline stages split by tensor parallelism, pipelines replicated by data
 parallelism (``pipeline-*`` with options ``tp`` and ``dp``). It trains exactly like ``single``
 (fp32 on Gloo, to 1e-5); every rank's parameters and bytes sent per step equal
-``dlab.estimate.hybrid``; impossible layouts are refused before any process starts."""
+``dlab.theory.hybrid``; impossible layouts are refused before any process starts."""
 from __future__ import annotations
 
 import pytest
 from helpers import assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError
-from dlab.estimate import hybrid, tensor
+from dlab.core.config import ConfigError
+from dlab.theory import hybrid, tensor
 from dlab.models.gpt import GPTConfig
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
@@ -18,7 +18,7 @@ GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
 # gpipe and interleaved share 1f1b's executor and stage modules (their own schedules are checked
 # in 2D by test_pipeline_parity.py): slow here, where 1f1b stands for them
 # pp 2 x tp 2 with 1f1b is slow too: notebook 06 trains this very layout against single (and
-# checks each rank's bytes against dlab.estimate.hybrid) under make test
+# checks each rank's bytes against dlab.theory.hybrid) under make test
 CASES = [pytest.param("1f1b", 4, {"tp": 2}, marks=pytest.mark.slow),  # pp 2 x tp 2
          pytest.param("gpipe", 4, {"tp": 2}, marks=pytest.mark.slow),
          pytest.param("interleaved", 4, {"tp": 2}, marks=pytest.mark.slow),  # 2 virtual stages

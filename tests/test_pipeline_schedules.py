@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from dlab.estimate import pipeline as est
-from dlab.parallel.pipeline import schedules
-from dlab.parallel.pipeline.schedules import B, F, Schedule, _with_comms
-from dlab.parallel.pipeline.simulate import DeadlockError, bubble, simulate
+from dlab.theory import pipeline as est
+from dlab.layout import schedules
+from dlab.layout.schedules import B, F, Schedule, _with_comms
+from dlab.theory.simulate import DeadlockError, bubble, simulate
 from dlab.parallel.pipeline.split import partition
 
 GRID = [(name, p, m, v) for name in schedules.SCHEDULES
@@ -152,7 +152,7 @@ def test_time_costs_measure_every_piece():
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", "zbv"])
 def test_replay_of_a_timeline_reproduces_it(name):
     """Replaying a timeline at its own mean op times per stage gives it back."""
-    from dlab.parallel.pipeline.simulate import replay
+    from dlab.theory.simulate import replay
 
     s = schedules.build(name, 4, 8, 2 if name != "1f1b" else 1)
     original = [dict(e, start=e["start"] + 5.0, end=e["end"] + 5.0)
@@ -168,7 +168,7 @@ def test_replay_keeps_a_slow_stage_slow(name):
     """Stage 1 twice as slow as the others: the replay at each stage's own mean times has the
     bubble of that timeline, well above the closed form that equal stages (or one mean pooled
     over every rank) would give."""
-    from dlab.parallel.pipeline.simulate import replay
+    from dlab.theory.simulate import replay
 
     v = 2 if name == "interleaved" else 1
     s = schedules.build(name, 4, 8, v)
@@ -182,7 +182,7 @@ def test_replay_keeps_a_slow_stage_slow(name):
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
 def test_replay_at_each_ops_own_time_reproduces_a_timeline(name):
-    from dlab.parallel.pipeline.simulate import replay_ops
+    from dlab.theory.simulate import replay_ops
 
     v = 2 if name in ("interleaved", "zbv") else 1
     s = schedules.build(name, 4, 8, v)
@@ -201,7 +201,7 @@ def test_jitter_around_the_same_mean_adds_bubble(name):
     neighbour op by op, so the bubble at each op's own time is larger still, in every draw."""
     import random
 
-    from dlab.parallel.pipeline.simulate import bubble_of_ops, replay
+    from dlab.theory.simulate import bubble_of_ops, replay
 
     v = 2 if name == "zbv" else 1
     s = schedules.build(name, 4, 8, v)

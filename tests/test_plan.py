@@ -1,7 +1,7 @@
 """The planner against the papers' own figures and formulas, and its search against brute force.
 
 The ZeRO paper's model-state figures and Korthikanti et al.'s activation formulas are closed
-forms written in the papers; ``dlab.plan.memory`` counts per category and tensor by tensor, so
+forms written in the papers; ``dlab.theory.plan.memory`` counts per category and tensor by tensor, so
 their agreement checks the count, not a formula against itself. Parameter counts are the
 published sizes of the presets.
 """
@@ -13,8 +13,8 @@ import json
 import pytest
 
 from dlab.plan import PlanError, PlanLayout, clusters, models, plan
-from dlab.plan.memory import activations, layer_bytes, layer_terms, model_state, rank_params, state_bytes
-from dlab.plan.search import layouts, pareto, search
+from dlab.theory.plan.memory import activations, layer_bytes, layer_terms, model_state, rank_params, state_bytes
+from dlab.theory.plan.search import layouts, pareto, search
 
 GB = 1e9
 
@@ -193,7 +193,7 @@ def test_70b_on_1024_h100s_ranks_a_layout_a_practitioner_recognises():
 
 
 def test_cli_ranks_and_refuses_bad_input(capsys):
-    from dlab.__main__ import main
+    from dlab.cli.main import main
     assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--batch", "64", "--seq", "2048",
                  "--top", "3"]) == 0
     out = capsys.readouterr().out
@@ -212,7 +212,7 @@ def test_cli_ranks_and_refuses_bad_input(capsys):
 
 
 def test_cli_prints_the_published_rows_beside_their_predictions(capsys, tmp_path):
-    from dlab.__main__ import main
+    from dlab.cli.main import main
     from dlab.plan import published
     out_file = tmp_path / "published.json"
     assert main(["plan", "--published", "--json", str(out_file)]) == 0

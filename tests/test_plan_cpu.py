@@ -12,10 +12,10 @@ import dlab
 from dlab.bench.nd import BATCH, MODEL
 from dlab.bench.plan import plan_layout
 from dlab.models.gpt import GPTConfig
-from dlab.parallel.context import layout as cp_layout
+from dlab.layout import tokens as cp_layout
 from dlab.parallel.context.attention import visible_tiles
 from dlab.plan import clusters, plan
-from dlab.plan.spec import from_gpt
+from dlab.theory.plan.spec import from_gpt
 
 LAB = from_gpt(GPTConfig(**MODEL))
 # a CPU with measured-looking constants: every op the lab uses costs 1 ms of CPU a call plus

@@ -1,4 +1,4 @@
-"""Theory beside measurement in the dashboard's figure (``dlab.plots``): the bubble panel's
+"""Theory beside measurement in the dashboard's figure (``dlab.ui.plots``): the bubble panel's
 formula and simulations, the model state beside the measured memory, the bytes panels' model
 and wire figures named as such, and a timeline legend in the bars' colours, clear of the bars."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from matplotlib.colors import to_hex
 from test_dashboard import record_pipeline_run
 
 import dlab
-from dlab.estimate.memory import model_units, zero_memory
-from dlab.plots import KIND_COLORS, MiB, compare, plot
+from dlab.theory.memory import model_units, zero_memory
+from dlab.ui.plots import KIND_COLORS, MiB, compare, plot
 
 P, M = 2, 8
 
@@ -108,7 +108,7 @@ def test_memory_panel_shows_the_model_state_beside_the_measured_bars(strategy, t
 
 
 def test_a_pipeline_run_has_no_model_state_bars(one_f_one_b):
-    """``dlab.estimate`` has no per-rank optimizer formula for pipeline stages: nothing drawn."""
+    """``dlab.theory`` has no per-rank optimizer formula for pipeline stages: nothing drawn."""
     _, fig = one_f_one_b
     assert not [p for p in axes_titled(fig, "memory").patches if p.get_gid() == "model"]
 

@@ -5,7 +5,7 @@
   recomputation (pipeline-1f1b and ep by default, tp with sequence parallelism through nd's
   case in tests/test_nd_parity.py; tp, zero3, ddp and more under slow);
 - ``ActivationMeter`` counts what it keeps, equal to the byte to the count derived from the code
-  (``dlab.estimate.activations``); full recompute keeps exactly the blocks' inputs;
+  (``dlab.theory.activations``); full recompute keeps exactly the blocks' inputs;
 - ``hardware_flops_per_token`` adds exactly the recomputed forwards, as ``FlopCounterMode``
   counts them; runs report HFU beside MFU;
 - a checkpoint loads under any recomputation setting.
@@ -18,10 +18,11 @@ from helpers import assert_same_training, losses
 from torch.utils.flop_counter import FlopCounterMode
 
 import dlab
-from dlab import checkpoint, models
-from dlab.config import RunConfig
-from dlab.estimate.activations import activation_bytes
-from dlab.metrics import ActivationMeter
+from dlab import models
+from dlab.runtime import checkpoint
+from dlab.core.config import RunConfig
+from dlab.theory.activations import activation_bytes
+from dlab.core.metrics import ActivationMeter
 
 MODES = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
 

@@ -8,9 +8,9 @@ import pytest
 from helpers import assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.estimate import comm as model
-from dlab.estimate.memory import model_units, zero_wire_bytes
+from dlab.core.config import ConfigError, RunConfig
+from dlab.theory import comm as model
+from dlab.theory.memory import model_units, zero_wire_bytes
 
 UNEVEN = {"model": "gpt", "batch_size": 8, "steps": 3,
           "model_options": {"n_layer": 3, "d_model": 31, "n_head": 1, "seq_len": 32}}

@@ -13,9 +13,9 @@ from helpers import assert_ranks_agree, assert_same_training, final_state, losse
 
 import dlab
 from dlab import models
-from dlab.config import ConfigError, RunConfig
-from dlab.data import make_data
-from dlab.estimate.memory import (
+from dlab.core.config import ConfigError, RunConfig
+from dlab.models.data import make_data
+from dlab.theory.memory import (
     gpt_units,
     model_units,
     padded,

@@ -13,7 +13,7 @@ global batch, seed and bucket cap, at 4 ranks (quick: 2 ranks, fewer steps). Row
   why), so it does not overlap backward where dlab's does.
 - ``metric="loss_and_bytes"``: dlab's final loss beside uncompressed ``ddp``'s after the same
   steps (what the compression cost), and the measured bytes per step beside
-  ``dlab.estimate.compression``'s formula.
+  ``dlab.theory.compression``'s formula.
 
 ``none`` (plain all-reduce) stands beside DDP's built-in C++ all-reduce. ``topk`` has no peer
 in PyTorch: its rows carry no ``peer`` or ``ratio``. ``bf16``'s peer is PyTorch's
@@ -26,7 +26,7 @@ import tempfile
 
 from dlab.bench import compared
 from dlab.bench.ddp import BATCH, MODEL
-from dlab.estimate import compression as est
+from dlab.theory import compression as est
 
 CAP_MB = 1  # a few buckets, so that compression overlaps backward
 # method -> (ddp's options, torch-ddp's options or None)

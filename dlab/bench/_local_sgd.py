@@ -8,7 +8,7 @@ on the same global batches (equal tokens). Rows, each ``{"name", "H", "ranks", "
 and, where there is a peer, ``"peer"`` and ``"ratio"`` (``dlab.bench.compared``):
 
 - ``bytes_per_step``: what a rank sent per step, averaged over the run (the ring model counted
-  at each call), beside ``formula`` (``dlab.estimate.local_sgd.mean_bytes_per_step``) and
+  at each call), beside ``formula`` (``dlab.theory.local_sgd.mean_bytes_per_step``) and
   ``wire``, the all-reduce bytes measured on the transport per step (None off Gloo/Linux);
 - ``step_s``: the mean step time after the first (each step's slowest rank). Not the
   summary's median: with H > 1 most steps do not sync, and the median would leave the sync out;
@@ -21,7 +21,7 @@ import tempfile
 
 from dlab.bench import compared
 from dlab.bench.ddp import BATCH, MODEL
-from dlab.estimate import local_sgd as est
+from dlab.theory import local_sgd as est
 from dlab.models import model_config
 
 SYNC_EVERY = (1, 4, 16)

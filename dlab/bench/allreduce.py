@@ -7,7 +7,7 @@ shows the median. Bandwidths follow nccl-tests: algbw = S / t, busbw = algbw * 2
 bus bandwidth compares algorithms (and world sizes) on what each link carried. The ratio is
 busbw / busbw of ``dist.all_reduce`` at the same size and ranks.
 
-The cost model beside each row is the alpha-beta formula of ``dlab.estimate.comm`` with alpha
+The cost model beside each row is the alpha-beta formula of ``dlab.theory.comm`` with alpha
 and beta fitted, in the same processes, to a ping-pong between ranks 0 and 1 (half a round trip
 per message size), and for "shm" the seconds per byte of a large memory copy. It knows nothing
 of the two cores the ranks share, nor of the reduction's own memory traffic, which is why it
@@ -15,7 +15,7 @@ flatters the large messages on 4 ranks: the notebook discusses the gap.
 
 Bytes, rank 0's, from one more untimed call: ``model_bytes`` (the ring model for Gloo's
 all_reduce, the algorithm's own count for dlab's), ``gloo_model_bytes`` (the model of what Gloo
-writes for it, framing included: ``dlab.estimate.comm.gloo_*``) and ``wire_bytes`` (measured on
+writes for it, framing included: ``dlab.theory.comm.gloo_*``) and ``wire_bytes`` (measured on
 the wire, ``dlab.comm.wire``; "shm" writes only its barriers' few bytes).
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _bytes_once(name: str, fn, x) -> tuple:
 
 def run(quick: bool = False, world_sizes=(2, 4), runs_dir: str = "runs") -> list[dict]:
     from dlab.comm.algorithms import ALGORITHMS
-    from dlab.estimate.comm import AlphaBeta, allreduce_time, bus_bandwidth, fit_alpha_beta
+    from dlab.theory.comm import AlphaBeta, allreduce_time, bus_bandwidth, fit_alpha_beta
     sizes = QUICK_SIZES if quick else SIZES
     repeats, warmup = (3, 1) if quick else (5, 2)
     names = list(ALGORITHMS)

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 import dlab
-from dlab import checkpoint, models
+from dlab import models
+from dlab.runtime import checkpoint
 from dlab.bench import compared, median
-from dlab.launch import launch
+from dlab.procs.launch import launch
 
 MODEL = {"n_layer": 4, "d_model": 192, "n_head": 4, "seq_len": 64}
 FAULT_BATCH = 64  # sequences per step: steps long enough that redone work shows beside restart

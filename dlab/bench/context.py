@@ -3,7 +3,7 @@
 For ring and all-gather attention, zigzag and contiguous layouts, and Ulysses, at 2 and 4
 ranks, and USP (Ulysses in pairs, the ring across them) at 4: the peak activation bytes a rank
 saves for backward, the bytes it sends per step beside
-``dlab.estimate.context``, and the median step time. The peer is ``single``, one process with
+``dlab.theory.context``, and the median step time. The peer is ``single``, one process with
 the whole sequence: the ratio of activations is what context parallelism is for (ring: about
 1/n of it; all-gather: more, since every rank keeps the whole sequence's K and V). PyTorch's
 own ``context_parallel`` is not the peer: on CPU it has no causal ring (see TORCH_ON_CPU).
@@ -19,9 +19,9 @@ from __future__ import annotations
 import tempfile
 
 from dlab.bench import compared, median
-from dlab.estimate import context as est
+from dlab.theory import context as est
 from dlab.models import model_config
-from dlab.parallel.context import layout
+from dlab.layout import tokens as layout
 from dlab.parallel.context.attention import computed_pairs
 
 MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 1024}

@@ -3,7 +3,7 @@
 For 2 and 4 ranks and top-1 / top-2 routing: the parameter bytes a rank holds beside one
 process holding every expert (``single``, the peer: PyTorch has no expert-parallel module of
 its own), the all-to-all bytes a rank sent per step beside what uniform routing would send
-(``dlab.estimate.expert``: the ratio is the router's imbalance, as this rank sees it), the
+(``dlab.theory.expert``: the ratio is the router's imbalance, as this rank sees it), the
 dense all-reduce bytes, and the step time beside ``single``'s.
 
 Then MoE as trained (``dlab.models.moe``), on ``ep`` with the same seed and data: the busiest
@@ -18,7 +18,7 @@ from __future__ import annotations
 import tempfile
 
 from dlab.bench import compared, median
-from dlab.estimate import expert as est
+from dlab.theory import expert as est
 from dlab.models import model_config
 from dlab.parallel.expert.strategy import owner
 

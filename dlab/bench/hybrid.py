@@ -3,7 +3,7 @@
 Layouts: data parallel (``ddp``, 4 x 1 x 1), tensor parallel (``tp``, 1 x 1 x 4), TP x DP
 (2 x 1 x 2), pipeline (``pipeline-1f1b``, 1 x 4 x 1, 4 micro-batches), PP x DP (2 x 2 x 1) and
 PP x TP (1 x 2 x 2). Per layout: the parameters the fullest rank holds and the bytes the
-busiest rank sends per step, each beside ``dlab.estimate.hybrid`` (which covers all six: p = 1
+busiest rank sends per step, each beside ``dlab.theory.hybrid`` (which covers all six: p = 1
 is TP x DP, t = 1 and p = 1 is plain data parallelism), the activation peak, and the step time
 beside PyTorch's DDP on the same ranks (the peer: the layout a beginner starts from), both
 timed alike (``step_seconds``: the slowest rank's median step).
@@ -17,7 +17,7 @@ from __future__ import annotations
 import tempfile
 
 from dlab.bench import compared, median
-from dlab.estimate import hybrid
+from dlab.theory import hybrid
 from dlab.models import build, model_config
 from dlab.parallel.pipeline.split import param_costs, partition
 

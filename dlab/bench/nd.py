@@ -1,5 +1,5 @@
 """``python -m dlab bench nd``: one GPT laid out every way 4 and 8 ranks allow, each figure
-beside ``dlab.estimate.nd``, and dp x ZeRO-3 x tp beside PyTorch's own FSDP2 + TP.
+beside ``dlab.theory.nd``, and dp x ZeRO-3 x tp beside PyTorch's own FSDP2 + TP.
 
 Layouts: every (pp, dp, cp, tp) whose product is the world size and that the model divides
 (``Layout.problems`` refuses the rest: tp must divide the 4 heads, pp at most the 4 blocks, the
@@ -33,9 +33,9 @@ import tempfile
 
 from dlab.bench import compared
 from dlab.bench.hybrid import step_seconds
-from dlab.config import RunConfig
-from dlab.estimate import nd
-from dlab.parallel.nd.layout import MESH_ORDER, Layout
+from dlab.core.config import RunConfig
+from dlab.theory import nd
+from dlab.layout.layout import MESH_ORDER, Layout
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
 BATCH = 8

@@ -1,7 +1,7 @@
 """``python -m dlab bench pipeline``: every schedule at 2 and 4 stages and 1..16 micro-batches.
 
 Per configuration: the bubble measured from the timeline (steps after the first) beside the
-closed form (``dlab.estimate.pipeline.bubble``, unit times), the simulation of the same action
+closed form (``dlab.theory.pipeline.bubble``, unit times), the simulation of the same action
 lists at each stage's mean op times measured in that run (``simulated``: adds the imbalance
 between stages), and at each op's own measured
 time (``sim_ops``: what the op-time jitter alone costs; the rest of the measured excess is
@@ -65,7 +65,7 @@ def measure(name: str, p: int, m: int, runs_dir: str, recv_ahead: int | None = N
     """One dlab run: bubble, the timeline (steps after the first), activation peaks per rank,
     median step time. ``recv_ahead`` None: the strategy's default."""
     import dlab
-    from dlab.parallel.pipeline.simulate import bubble
+    from dlab.theory.simulate import bubble
 
     options = {"microbatches": m} if name != "naive" else {}
     if recv_ahead is not None:
@@ -84,9 +84,9 @@ def measure(name: str, p: int, m: int, runs_dir: str, recv_ahead: int | None = N
 
 def run(quick: bool = False) -> list[dict]:
     from dlab import spawn
-    from dlab.estimate import pipeline as est
-    from dlab.parallel.pipeline import schedules
-    from dlab.parallel.pipeline.simulate import bubble, bubble_of_ops, replay
+    from dlab.theory import pipeline as est
+    from dlab.layout import schedules
+    from dlab.theory.simulate import bubble, bubble_of_ops, replay
 
     rows, unit = [], {}
     with tempfile.TemporaryDirectory() as runs_dir:
@@ -140,8 +140,8 @@ def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int)
     import torch.distributed.pipelining as pipelining
 
     from dlab import models
-    from dlab.config import RunConfig
-    from dlab.data import make_data
+    from dlab.core.config import RunConfig
+    from dlab.models.data import make_data
     from dlab.parallel.pipeline.split import StageModule, param_costs, partition
 
     rank = dist.get_rank()
@@ -197,8 +197,8 @@ def save_gantt(path: str = "docs/pipeline_gantt.png", name: str = "1f1b", p: int
     import matplotlib.pyplot as plt
 
     import dlab
-    from dlab.parallel.pipeline import schedules
-    from dlab.parallel.pipeline.simulate import bubble, gantt, replay
+    from dlab.layout import schedules
+    from dlab.theory.simulate import bubble, gantt, replay
 
     with tempfile.TemporaryDirectory() as runs_dir:
         run = dlab.launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=3,

@@ -1,6 +1,6 @@
 """``python -m dlab bench plan``: the planner's prediction beside a measured run, per layout.
 
-First the "this machine" preset is measured for the bench's model (``dlab.plan.calibrate``: one
+First the "this machine" preset is measured for the bench's model (``dlab.tools.calibrate``: one
 thread's rate and fixed costs on that model, every rank measuring at once where they outnumber
 the cores; the fitted link; what each kind of blocking collective costs a rank at 4 and 8 ranks
 and the share of the cores' time the ranks fill), rows "(calibration)" and "(probe)" (one
@@ -26,9 +26,10 @@ import tempfile
 from dlab.bench.hybrid import step_seconds
 from dlab.bench.nd import BATCH, MODEL, QUICK, label, layouts, measure, runnable
 from dlab.models.gpt import GPTConfig
-from dlab.plan import calibrate, plan
-from dlab.plan.layout import PlanLayout
-from dlab.plan.spec import from_gpt
+from dlab.theory.plan import plan
+from dlab.tools import calibrate
+from dlab.theory.plan.layout import PlanLayout
+from dlab.theory.plan.spec import from_gpt
 
 PAYLOAD = 256 << 10
 STEPS, WARMUP = 12, 4

@@ -20,7 +20,7 @@ Rows, all at the same model and global batch on Gloo:
   and the steps lost (none: the checkpoint is of the agreed step, not the last periodic one).
 - ``elastic``: the same run preempted at 4 ranks and resumed at 2 from its checkpoint
   (resharded on load), then at 4 again: time lost per membership change, planned.
-- ``elastic-agents``: two torchrun agents of 2 ranks (``dlab.elastic.rehearse``), one
+- ``elastic-agents``: two torchrun agents of 2 ranks (``dlab.procs.elastic.rehearse``), one
   SIGKILLed mid-run and started again: ``lost_s`` from the kill to the first step at 2 ranks
   (failure noticed, rendezvous without it, restart, resume), ``back_s`` from its return to
   the first step at 4, and the steps trained twice.
@@ -115,7 +115,7 @@ def preemption_rows(n: int, steps: int, runs_dir: str) -> list[dict]:
 
 
 def elastic_agent_rows(runs_dir: str) -> list[dict]:
-    from dlab.elastic import rehearse
+    from dlab.procs.elastic import rehearse
     pace = {"kind": "slow", "rank": 0, "step": 0, "steps": 1000, "delay_s": DELAY}
     e = rehearse("ddp", lose_at=4, back_after=3, runs_dir=runs_dir, steps=60, batch_size=BATCH,
                  model="gpt", model_options=MODEL, optimizer="sgd", checkpoint_every=2, fault=pace)

@@ -4,7 +4,7 @@ For each degree, with and without sequence parallelism (and with it, both reduce
 ``reduce_scatter`` = ``backend``, Gloo's, a whole all-reduce, or ``ring``, dlab's): the step
 time; the bytes one rank sends per transformer layer per step, as the *ring model* counts them
 (``layer_model_bytes``: one layer's forward and backward through the counting ``Comm``, on ranks
-started by ``dlab.spawn``) beside ``dlab.estimate.tensor.layer_bytes``, and *measured* on the
+started by ``dlab.spawn``) beside ``dlab.theory.tensor.layer_bytes``, and *measured* on the
 wire in the same pass (``layer_wire_bytes``, ``dlab.comm.wire``); the whole step's bytes from
 the run: ``step_model_bytes`` (ring model) beside ``step_bytes``' formula, and
 ``step_wire_bytes`` (measured, the strategy's collectives: the step's total less the logged
@@ -23,7 +23,7 @@ import torch
 
 from dlab.bench import compared, median
 from dlab.comm.wire import NOT_MEASURABLE
-from dlab.estimate import tensor as est
+from dlab.theory import tensor as est
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 8, "seq_len": 128}
 QUICK_MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64}

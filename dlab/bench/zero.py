@@ -8,7 +8,7 @@ weights and Adam state, so K = 12) at 2 and 4 ranks, one row each with:
 - ``params_MiB``, ``grads_MiB``, ``optim_MiB``: each category measured on rank 0 (an offloaded
   optimizer counted under optim), beside ``*_formula_MiB``;
 - ``model_state_MiB``: parameters + gradients + optimizer state measured on rank 0, beside
-  ``formula_MiB`` (``dlab.estimate.memory``: dlab's exact accounting, padding and step counters
+  ``formula_MiB`` (``dlab.theory.memory``: dlab's exact accounting, padding and step counters
   included; for DDP the full fp32 replica) and ``paper_MiB`` (the ZeRO paper's 2/2/12 bytes per
   parameter divided per stage; for FSDP2, whose shards stay fp32 and whose padding is per
   tensor, the same 16 Psi / N total), and ``err_pct`` = measured / formula - 1;
@@ -19,7 +19,7 @@ weights and Adam state, so K = 12) at 2 and 4 ranks, one row each with:
   1-2, 3 x for stage 3); FSDP2's traffic bypasses dlab's counters and is left blank;
 - ``wire_MB_per_step``: *measured*, the bytes rank 0's process wrote to Gloo's transport in a
   step (``dlab.comm.wire``; FSDP2's included), beside ``gloo_formula_MB_per_step``, the model of
-  Gloo's real algorithms (``dlab.estimate.memory.zero_wire_bytes``, framing included, plus the
+  Gloo's real algorithms (``dlab.theory.memory.zero_wire_bytes``, framing included, plus the
   logged loss's all-reduce), for the dlab stages;
 - ``step_s``: median step time after the first step.
 
@@ -33,8 +33,8 @@ import tempfile
 from dlab import models
 from dlab.bench import compared, median
 from dlab.comm.wire import NOT_MEASURABLE
-from dlab.estimate.comm import gloo_all_reduce_bytes
-from dlab.estimate.memory import (
+from dlab.theory.comm import gloo_all_reduce_bytes
+from dlab.theory.memory import (
     ddp_memory,
     model_units,
     paper_memory,
@@ -42,7 +42,7 @@ from dlab.estimate.memory import (
     zero_memory,
     zero_wire_bytes,
 )
-from dlab.launch import launch
+from dlab.procs.launch import launch
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64}
 MiB = 2 ** 20

@@ -165,8 +165,8 @@ def _where(ex: Exercise) -> str:
 
 
 def _distributed(ex: Exercise, source: str, fname: str, runs_dir: str, timeout_s: float) -> str | None:
-    from dlab.diagnose import RunFailed
-    from dlab.spawn import spawn
+    from dlab.analysis.diagnose import RunFailed
+    from dlab.procs.spawn import spawn
 
     try:
         answers = spawn(on_rank, ex.ranks, ex.name, source, fname, runs_dir=f"{runs_dir}/exercises",

@@ -2,7 +2,7 @@
 
 A strategy builds this rank's model and optimizer, does one optimizer step on a *global* batch
 (taking its own part of it), reports memory by category, and gives and takes state dicts. The
-loop (``dlab.train``) owns the data, timing, metrics and checkpoint cadence.
+loop (``dlab.runtime.train``) owns the data, timing, metrics and checkpoint cadence.
 """
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dlab import checkpoint, models
+from dlab import models
+from dlab.runtime import checkpoint
 from dlab.comm.instrumented import REDUCE_SCATTER_ALGORITHMS, Comm
-from dlab.config import Option, RunConfig
-from dlab.metrics import ActivationMeter, model_state_memory
-from dlab.timeline import Timeline
+from dlab.core.config import Option, RunConfig
+from dlab.core.metrics import ActivationMeter, model_state_memory
+from dlab.core.events import Timeline
 
 #: the option of every strategy that reduce-scatters (ZeRO's gradients, sequence parallelism,
 #: the all-gather attention's backward): Gloo's reduce_scatter is a whole all-reduce, twice the
@@ -84,7 +85,7 @@ class Strategy:
         raise NotImplementedError
 
     def memory(self) -> dict[str, int]:
-        """Bytes held by this rank, by category (dlab.metrics.CATEGORIES)."""
+        """Bytes held by this rank, by category (dlab.core.metrics.CATEGORIES)."""
         raise NotImplementedError
 
     def step_extras(self) -> dict:
@@ -104,12 +105,12 @@ class Strategy:
 
     def checkpoint_state(self) -> dict:
         """This rank's part of a checkpoint: ``{"params": {name: piece}, "optim": {name: {key:
-        piece or scalar}}, "hparams": [...]}``, names as in the single model (``dlab.checkpoint``
+        piece or scalar}}, "hparams": [...]}``, names as in the single model (``dlab.runtime.checkpoint``
         describes pieces). A strategy that does not implement it cannot checkpoint."""
         raise NotImplementedError
 
     def load_checkpoint_state(self, reader) -> None:
-        """Take this rank's part from a ``dlab.checkpoint.Reader`` written at any layout."""
+        """Take this rank's part from a ``dlab.runtime.checkpoint.Reader`` written at any layout."""
         raise NotImplementedError
 
     @classmethod

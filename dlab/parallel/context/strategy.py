@@ -27,11 +27,11 @@ from __future__ import annotations
 import functools
 
 from dlab.comm.instrumented import reduce_scatter_option
-from dlab.data import shard
-from dlab.metrics import ActivationMeter
+from dlab.models.data import shard
+from dlab.core.metrics import ActivationMeter
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, WholeModel, data_parallel_problems
-from dlab.parallel.context import layout
+from dlab.layout import tokens as layout
 from dlab.parallel.context.attention import (
     Hybrid,
     Ring,

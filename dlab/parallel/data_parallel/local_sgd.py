@@ -4,7 +4,7 @@ Every rank holds a replica and takes an optimizer step on its own shard of each 
 with no communication (the *inner* step, with the run's optimizer); every H steps (option
 ``sync_every``) the replicas synchronise with one all-reduce of their parameters through the
 counting ``Comm``. Bytes per rank fall from 2 (N-1)/N P on every step (``ddp``) to that on one
-step in H (``dlab.estimate.local_sgd``); the price is that replicas drift apart between syncs.
+step in H (``dlab.theory.local_sgd``); the price is that replicas drift apart between syncs.
 
 ``outer="average"``: Local SGD (Stich, "Local SGD Converges Fast and Communicates Little",
 2019; Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", 2020): at a sync every replica
@@ -48,8 +48,8 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 
 from dlab.comm.instrumented import nbytes
 from dlab.comm.wire import meter
-from dlab.estimate import comm as comm_model
-from dlab.metrics import storage_bytes
+from dlab.theory import comm as comm_model
+from dlab.core.metrics import storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
 from dlab.parallel.data_parallel.parameter_server import copy_flat_into

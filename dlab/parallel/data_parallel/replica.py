@@ -1,5 +1,5 @@
 """What every data-parallel strategy here shares: a whole model replica on each rank, and the
-rank's contiguous slice of the global batch (``dlab.data.shard``, DistributedSampler without
+rank's contiguous slice of the global batch (``dlab.models.data.shard``, DistributedSampler without
 shuffling).
 
 Learning rate and global batch: data parallelism over N ranks with a per-rank batch b trains
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from dlab import checkpoint
-from dlab.data import shard
-from dlab.metrics import ActivationMeter
+from dlab.runtime import checkpoint
+from dlab.models.data import shard
+from dlab.core.metrics import ActivationMeter
 from dlab.parallel.base import Strategy, data_parallel_problems
 
 

@@ -16,7 +16,7 @@ The all-to-all is its own adjoint: the gradient of the rows received is sent bac
 same splits reversed, so autograd needs one small Function. Per layer and step a rank sends
 the rows it routes off-rank twice (forward, and the gradient of their answers) and the rows it
 received twice (their answers, and the gradient of the rows), d x 4 bytes each, plus the counts
-and each sent row's expert index (``dlab.estimate.expert``).
+and each sent row's expert index (``dlab.theory.expert``).
 """
 from __future__ import annotations
 

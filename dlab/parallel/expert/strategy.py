@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dlab.data import shard
-from dlab.metrics import ActivationMeter, model_state_memory
+from dlab.models.data import shard
+from dlab.core.metrics import ActivationMeter, model_state_memory
 from dlab.parallel import register
 from dlab.parallel.base import Strategy, data_parallel_problems
 from dlab.parallel.expert.dispatch import ExpertParallelCombine

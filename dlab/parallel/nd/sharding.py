@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlab.comm.instrumented import Comm
-from dlab.metrics import storage_bytes
+from dlab.core.metrics import storage_bytes
 from dlab.parallel.zero.flat import FlatUnit
 
 Group = tuple[str, nn.Module | None, list[tuple[str, nn.Parameter]]]

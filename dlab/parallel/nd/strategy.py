@@ -38,18 +38,18 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm.instrumented import reduce_scatter_option
-from dlab.data import shard
-from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.models.data import shard
+from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy
-from dlab.parallel.context import layout as cp_layout
+from dlab.layout import tokens as cp_layout
 from dlab.parallel.context.strategy import ATTENTION, ULYSSES, attention_core, attention_problems
 from dlab.parallel.expert.dispatch import ExpertParallelCombine
 from dlab.parallel.expert.strategy import owner
 from dlab.parallel.mesh import Mesh
-from dlab.parallel.nd.layout import MESH_ORDER, SCHEDULES, Layout
+from dlab.layout.layout import MESH_ORDER, SCHEDULES, Layout
 from dlab.parallel.nd.sharding import DataSharding, stage_groups
-from dlab.parallel.pipeline import schedules
+from dlab.layout import schedules
 from dlab.parallel.pipeline.executor import Executor
 from dlab.parallel.pipeline.split import StageModule, param_costs, partition
 from dlab.parallel.pipeline.weight_grad import WeightGradStore, split_linears

@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm.instrumented import Comm
-from dlab.data import shard
-from dlab.metrics import ActivationMeter, model_state_memory
+from dlab.models.data import shard
+from dlab.core.metrics import ActivationMeter, model_state_memory
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
 from dlab.parallel.mesh import Mesh
-from dlab.parallel.pipeline import schedules
+from dlab.layout import schedules
 from dlab.parallel.pipeline.executor import Executor
 from dlab.parallel.pipeline.split import StageModule, param_costs, partition, time_costs
 from dlab.parallel.pipeline.weight_grad import WeightGradStore, split_linears
@@ -240,7 +240,7 @@ class Pipeline(Strategy):
 
 
 def _sample_batch(cfg):
-    from dlab.data import make_data
+    from dlab.models.data import make_data
     return make_data(cfg).global_batch(0)
 
 

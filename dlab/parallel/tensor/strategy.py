@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm.instrumented import reduce_scatter_option
-from dlab.data import shard
-from dlab.metrics import ActivationMeter, model_state_memory
+from dlab.models.data import shard
+from dlab.core.metrics import ActivationMeter, model_state_memory
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
 from dlab.parallel.mesh import Mesh

@@ -42,8 +42,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dlab.data import shard
-from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.models.data import shard
+from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
 from dlab.parallel.mesh import Mesh

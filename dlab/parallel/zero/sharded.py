@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlab import checkpoint
+from dlab.runtime import checkpoint
 from dlab.comm.instrumented import reduce_scatter_option
-from dlab.data import shard
-from dlab.host_copies import host_copies_done, pinned, to_host
-from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.models.data import shard
+from dlab.comm.host import host_copies_done, pinned, to_host
+from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import FlatUnit, build_units
 
@@ -215,7 +215,7 @@ class ZeroStrategy(Strategy):
         where dtypes and devices agree (fp32, no offload); otherwise an fp32 copy on the
         optimizer's device that lives for the step (counted as a transient buffer). Offloaded
         from a GPU, every unit's copy is enqueued into pinned memory first and waited for once
-        (``dlab.host_copies``), and the updated chunks go back without a wait: the next forward
+        (``dlab.comm.host``), and the updated chunks go back without a wait: the next forward
         runs on the same stream, after them."""
         for u in self.units:
             if not self.separate_master:

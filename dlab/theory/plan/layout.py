@@ -1,0 +1,145 @@
+"""A layout to plan: the degrees of every dimension and the choices that go with them.
+
+The mesh is ``nd``'s (``dlab.layout.layout``): pp x dp x cp x tp, tp fastest. Ranks fill
+nodes in order, so a dimension's group spans ``stride x degree`` consecutive ranks, its stride
+the product of the degrees inside it: tp spans tp ranks, cp tp x cp, the data ranks (dp x cp,
+over which gradients are reduced and ZeRO shards) tp x cp x dp, and a pipeline neighbour is
+tp x cp x dp ranks away (inside a node only if the whole pipeline is). ``Cluster.link`` turns
+a span into the link it runs on. Expert parallelism folds onto the data ranks (ep of them next
+to each other, stride tp).
+
+``micro_batch`` is the sequences one micro-batch carries on a rank; the global batch B then
+makes m = B / (dp x micro_batch) micro-batches per step.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dlab.layout.layout import Layout as NDLayout
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "bf16-fp32-grads", "fp32")
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    v: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"
+    #: "bf16": the ZeRO paper's mixed precision (2 + 2 + 12 bytes per parameter);
+    #: "bf16-fp32-grads": Megatron's (fp32 gradient buffer: 2 + 4 + 12); "fp32": 4 + 4 + 8
+    precision: str = "bf16"
+    #: "flash" (FlashAttention: no s x s matrix kept) or "math" (the softmax kept, as in 2022)
+    attention: str = "flash"
+    #: tensor-parallel communication overlapped with the matmuls (Transformer Engine's
+    #: userbuffers, MegaScale); off by default, as in Megatron-LM's papers
+    tp_overlap: bool = False
+    #: the data ranks' gradient reduction overlapped with backward (PyTorch DDP's buckets,
+    #: Megatron-LM's --overlap-grad-reduce since 2023); False for Megatron-LM 2021-22's "local"
+    #: DDP, its default, which all-reduced the gradients after the whole pipeline's backward
+    grad_overlap: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def span(self, dim: str) -> int:
+        """Consecutive ranks one group of ``dim`` covers (module docstring)."""
+        t, c, d = self.tp, self.cp, self.dp
+        return {"tp": t, "cp": t * c, "data": t * c * d, "ep": t * self.ep,
+                "pp": t * c * d * self.pp}[dim]
+
+    def describe(self) -> str:
+        parts = [f"{k}{getattr(self, k)}" for k in ("pp", "dp", "cp", "tp") if getattr(self, k) > 1]
+        extra = [f"ep{self.ep}"] if self.ep > 1 else []
+        extra += [f"zero{self.zero}"] if self.zero else []
+        extra += ["sp"] if self.sp and self.tp > 1 else []
+        if self.pp > 1:
+            extra.append(self.schedule + (f" v{self.v}" if self.v > 1 else ""))
+        extra += [f"mb{self.micro_batch}"] + ([self.recompute] if self.recompute != "none" else [])
+        return " ".join([" x ".join(parts) or "single", *extra])
+
+    def asdict(self) -> dict:
+        return asdict(self)
+
+    def nd(self, global_batch: int) -> NDLayout:
+        """``nd``'s layout of the same degrees (for ``dlab.theory.nd`` and the runs)."""
+        return NDLayout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, zero=self.zero,
+                        schedule=self.schedule, microbatches=self.microbatches(global_batch),
+                        virtual_stages=self.v, sequence_parallel=self.sp and self.tp > 1)
+
+    def nd_options(self, global_batch: int) -> dict:
+        """The ``nd`` strategy's options that run this layout (recomputation is a model option)."""
+        out = {k: getattr(self, k) for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1}
+        if self.zero:
+            out["zero"] = self.zero
+        if self.sp and self.tp > 1:
+            out["sequence_parallel"] = True
+        if self.pp > 1:
+            out.update(schedule=self.schedule, microbatches=self.microbatches(global_batch))
+            if self.v > 1:
+                out["virtual_stages"] = self.v
+        return out
+
+    def problems(self, spec, global_batch: int, seq_len: int) -> list[str]:
+        """What stops this layout for this model and batch, each saying what to change."""
+        out = []
+        for k in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch"):
+            if getattr(self, k) < 1:
+                out.append(f"{k}={getattr(self, k)} must be at least 1")
+        if out:
+            return out
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule={self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.recompute not in RECOMPUTE:
+            out.append(f"recompute={self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
+        if self.precision not in PRECISIONS:
+            out.append(f"precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.attention not in ("flash", "math"):
+            out.append(f"attention={self.attention!r}; choose 'flash' or 'math'")
+        if not 0 <= self.zero <= 3:
+            out.append(f"zero={self.zero}: ZeRO has stages 0 to 3")
+        if spec.n_head % self.tp:
+            out.append(f"tp={self.tp} must divide the {spec.n_head} heads")
+        elif spec.n_kv_head % self.tp and self.tp % spec.n_kv_head:
+            out.append(f"tp={self.tp} must divide the {spec.n_kv_head} KV heads or be a multiple of them")
+        if self.pp * self.v > spec.n_layer:
+            out.append(f"pp x v = {self.pp * self.v} stages for {spec.n_layer} layers; use fewer")
+        if self.v > 1 and self.schedule not in ("interleaved", "zbv"):
+            out.append(f"v={self.v} needs the interleaved or zbv schedule")
+        if seq_len % (2 * self.cp if self.cp > 1 else 1):
+            out.append(f"seq_len={seq_len} must cut into 2 x cp = {2 * self.cp} chunks (zigzag)")
+        if self.sp and self.tp > 1 and (seq_len // self.cp) % self.tp:
+            out.append(f"sequence parallelism needs tp={self.tp} to divide the {seq_len // self.cp} "
+                       f"tokens per cp rank")
+        if spec.n_expert > 1:
+            if (self.dp * self.cp) % self.ep or spec.n_expert % self.ep:
+                out.append(f"ep={self.ep} must divide the dp x cp = {self.dp * self.cp} data ranks "
+                           f"and the {spec.n_expert} experts")
+        elif self.ep > 1:
+            out.append(f"ep={self.ep} needs a mixture-of-experts model")
+        if global_batch % (self.dp * self.micro_batch):
+            out.append(f"global batch {global_batch} does not split into dp={self.dp} x "
+                       f"micro_batch={self.micro_batch}; pick a multiple of {self.dp * self.micro_batch}")
+        elif spec.gpt is not None and self.pp == 1 and self.microbatches(global_batch) > 1:
+            out.append(f"dlab's nd accumulates micro-batches only under a pipeline; with pp=1 use "
+                       f"micro_batch = batch / dp = {global_batch // self.dp}")
+        elif self.pp > 1:
+            m = self.microbatches(global_batch)
+            if self.schedule == "interleaved" and m % self.pp:
+                out.append(f"the interleaved schedule needs micro-batches ({m}) a multiple of pp={self.pp}")
+            if self.schedule == "zbv" and self.v != 2:
+                out.append("zbv runs two chunks per rank: v=2")
+        return out
