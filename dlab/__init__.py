@@ -6,7 +6,8 @@
 """
 from dlab.core.config import ConfigError, RunConfig
 from dlab.analysis.diagnose import RunFailed
-from dlab.procs.launch import Run, attach, launch
+from dlab.procs.launch import launch
+from dlab.procs.run import Run, attach
 from dlab.ui.plots import compare as compare  # re-export; matplotlib loads on first call
 from dlab.procs.spawn import spawn
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import TINY_GPT, assert_same_training, losses
 
 import dlab
-from dlab.procs.launch import free_port
+from dlab.procs.process import free_port
 from dlab.core.rundir import RunDir
 
 

@@ -27,7 +27,7 @@ from helpers import TINY_GPT, assert_ranks_agree, assert_same_training, final_st
 import dlab
 from dlab.core.config import ConfigError, RunConfig
 from dlab.models.data import make_data, shard
-from dlab.theory import comm as comm_model
+from dlab.comm import gloo as comm_model
 from dlab.theory import local_sgd as est
 from dlab.models import model_config
 

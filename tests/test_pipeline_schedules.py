@@ -10,8 +10,9 @@ import pytest
 from dlab.theory import pipeline as est
 from dlab.layout import schedules
 from dlab.layout.schedules import B, F, Schedule, _with_comms
+from dlab.theory import simulate as simulation
 from dlab.theory.simulate import DeadlockError, bubble, simulate
-from dlab.parallel.pipeline.split import partition
+from dlab.layout.stages import partition
 
 GRID = [(name, p, m, v) for name in schedules.SCHEDULES
         for p, m, v in itertools.product(range(1, 6), range(1, 13), (1, 2, 3))]
@@ -31,7 +32,7 @@ def test_every_schedule_is_valid_over_a_grid(name):
         s = built(name, p, m, v)
         if s is None:
             continue
-        schedules.validate(s)
+        simulation.validate(s)
         count += 1
         # every rank ends with all its work done, and the simulation ran every action once
         events = simulate(s)
@@ -60,11 +61,11 @@ def test_validate_catches_broken_lists():
     no_send = [list(a) for a in good.actions]
     no_send[0] = [a for a in no_send[0] if not (a.kind == "send" and a.mb == 1)]
     with pytest.raises(ValueError, match="never sends"):
-        schedules.validate(Schedule("x", 2, 2, 2, (0, 1), no_send))
+        simulation.validate(Schedule("x", 2, 2, 2, (0, 1), no_send))
     # a backward listed before its forward
     orders = [[F(0, 0), B(0, 0)], [B(1, 0), F(1, 0)]]
     with pytest.raises(ValueError, match="out of order"):
-        schedules.validate(Schedule("x", 2, 1, 2, (0, 1), _with_comms(orders, (0, 1))))
+        simulation.validate(Schedule("x", 2, 1, 2, (0, 1), _with_comms(orders, (0, 1))))
     send, recv = schedules.Action("send", 0, 0, 1), schedules.Action("recv", 0, 0, 1)
     rank1 = [schedules.Action("recv", 1, 0, 0), F(1, 0), B(1, 0), schedules.Action("send", 1, 0, 0)]
     fine = [[F(0, 0), send, recv, B(0, 0)], rank1]

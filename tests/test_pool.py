@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from dlab.tools.magic import RankError
+from dlab.procs.cells import RankError
 from dlab.procs.pool import PoolRestarted, RankPool
 
 

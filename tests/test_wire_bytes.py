@@ -1,7 +1,7 @@
 """Measured wire bytes (``dlab.comm.wire``: the process's ``wchar``) against what Gloo's real
 algorithms send, and against what dlab's hand-written algorithms count, at 2 and 4 ranks.
 
-The Gloo formulas (``dlab.theory.comm.gloo_*``) come from gloo's source: payload as the
+The Gloo formulas (``dlab.comm.gloo``) come from gloo's source: payload as the
 algorithm moves it, plus 96 bytes per message sent and 48 per message received (the tcp
 transport's preambles). Sizes: 4 KiB and 4 MiB split evenly into Gloo's segments (2N segments
 of S/2N, and 1 MiB or 512 KiB segments); 4004 bytes does not (its last segments are short or
@@ -36,7 +36,7 @@ def backend_cases() -> dict:
     import torch.distributed as dist
 
     from dlab.comm.instrumented import Comm
-    from dlab.theory import comm as model
+    from dlab.comm import gloo as model
 
     comm, n, r = Comm(), dist.get_world_size(), dist.get_rank()
     got = {}
@@ -89,7 +89,7 @@ def algorithm_cases() -> dict:
     from dlab.comm.algorithms import ALGORITHMS
     from dlab.comm.algorithms.collectives import all_gather, all_to_all, broadcast, reduce_scatter
     from dlab.comm.instrumented import Comm
-    from dlab.theory import comm as model
+    from dlab.comm import gloo as model
 
     comm = Comm()
     n, got = comm.size, {}
@@ -129,7 +129,7 @@ def overlap_and_exclusion_cases(tmp: str) -> dict:
 
     from dlab.comm.instrumented import Comm
     from dlab.comm.wire import meter
-    from dlab.theory import comm as model
+    from dlab.comm import gloo as model
 
     comm = Comm()
     n, r, s = comm.size, comm.rank, 1 << 20
@@ -233,7 +233,7 @@ def test_async_checkpoint_thread_stays_off_the_wire(runs_dir):
     run = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, checkpoint_every=1,
                       checkpoint_async=True, **config)
     units = model_units("gpt", config["model_options"])
-    from dlab.theory import comm as model
+    from dlab.comm import gloo as model
     for r in range(2):
         want = zero_wire_bytes(units, 2, r, 2) + model.gloo_all_reduce_bytes(4, 2, r)
         steps = run.metrics(r)

@@ -15,7 +15,7 @@ flatters the large messages on 4 ranks: the notebook discusses the gap.
 
 Bytes, rank 0's, from one more untimed call: ``model_bytes`` (the ring model for Gloo's
 all_reduce, the algorithm's own count for dlab's), ``gloo_model_bytes`` (the model of what Gloo
-writes for it, framing included: ``dlab.theory.comm.gloo_*``) and ``wire_bytes`` (measured on
+writes for it, framing included: ``dlab.comm.gloo``) and ``wire_bytes`` (measured on
 the wire, ``dlab.comm.wire``; "shm" writes only its barriers' few bytes).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from dlab.bench import compared, median
-from dlab.tools.magic import run_cell
+from dlab.procs.cells import run_cell
 from dlab.procs.pool import RankPool
 
 CELL = "t = torch.ones(1)\ndist.all_reduce(t)\nresult = t.item()"

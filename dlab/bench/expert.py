@@ -20,7 +20,7 @@ import tempfile
 from dlab.bench import compared, median
 from dlab.theory import expert as est
 from dlab.models import model_config
-from dlab.parallel.expert.strategy import owner
+from dlab.parallel.expert.dispatch import owner
 
 MODEL = {"n_layer": 2, "d_model": 128, "n_head": 4, "seq_len": 128, "n_expert": 8}
 QUICK_MODEL = {**MODEL, "d_model": 64, "seq_len": 64}

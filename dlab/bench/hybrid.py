@@ -19,7 +19,8 @@ import tempfile
 from dlab.bench import compared, median
 from dlab.theory import hybrid
 from dlab.models import build, model_config
-from dlab.parallel.pipeline.split import param_costs, partition
+from dlab.layout.stages import partition
+from dlab.parallel.pipeline.split import param_costs
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
 BATCH, WORLD = 8, 4

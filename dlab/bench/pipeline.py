@@ -142,7 +142,8 @@ def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int)
     from dlab import models
     from dlab.core.config import RunConfig
     from dlab.models.data import make_data
-    from dlab.parallel.pipeline.split import StageModule, param_costs, partition
+    from dlab.layout.stages import partition
+    from dlab.parallel.pipeline.split import StageModule, param_costs
 
     rank = dist.get_rank()
     v = _v(name)

@@ -33,7 +33,7 @@ import tempfile
 from dlab import models
 from dlab.bench import compared, median
 from dlab.comm.wire import NOT_MEASURABLE
-from dlab.theory.comm import gloo_all_reduce_bytes
+from dlab.comm.gloo import gloo_all_reduce_bytes
 from dlab.theory.memory import (
     ddp_memory,
     model_units,

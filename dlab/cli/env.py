@@ -7,16 +7,7 @@ import platform
 import torch
 import torch.distributed as dist
 
-from dlab.core.metrics import measure_cpu_peak_flops
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (a container or ``taskset`` may allow fewer than the
-    machine has; Colab's free machines have 2)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+from dlab.core.machine import measure_cpu_peak_flops, usable_cores
 
 
 def sharing(ranks: tuple[int, ...], cores: int) -> str | None:

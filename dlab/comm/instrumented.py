@@ -19,7 +19,7 @@ payload bytes, time, and three byte figures that must not be confused:
   (``dlab.comm.wire``; busy periods of overlapping async ops are booked whole, mixed ones under
   ``"overlapped:<ops>"``). ``None`` where the backend's bytes cannot be seen (NCCL, not Linux).
 - ``gloo_bytes``, the model of *Gloo's real algorithm* with its framing
-  (``dlab.theory.comm.gloo_*``): what ``wire_bytes`` should be on Gloo, and is, exactly, in
+  (``dlab.comm.gloo``): what ``wire_bytes`` should be on Gloo, and is, exactly, in
   tests/test_wire_bytes.py. Gloo's reduce-scatter is a whole all-reduce, twice the ring's
   bytes; ``reduce_scatter_algorithm = "ring"`` runs dlab's own ring reduce-scatter instead.
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm.wire import OVERLAPPED, meter
-from dlab.theory import comm as model
+from dlab.comm import gloo as model
 
 REDUCE_SCATTER_ALGORITHMS = ("backend", "ring")
 

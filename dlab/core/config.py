@@ -1,123 +1,93 @@
-"""A run's configuration, and the checks that refuse a run that cannot work.
+"""A run's configuration: every field declared once, with its kind, range and help, and the
+checks of what the config alone can say (fields, model, devices, fault).
 
-``RunConfig.validate()`` runs in ``launch()`` before any process starts (and again in each
-worker, for runs started by torchrun or Slurm directly). Every message says what to change.
+A field is declared by ``setting(...)``: the dataclass field, its ``Option`` (kind, range, help)
+and its command-line flag in one place. ``FIELDS``, ``add_arguments`` (the flags of ``python -m
+dlab run`` and ``python -m dlab.worker``) and ``from_args`` are derived from the declarations, so
+a new field is one line here.
+
+What the config cannot say alone - whether the strategy takes these options, whether a
+checkpoint to resume from fits - is checked by ``dlab.worker.validate``, which ``launch``
+runs before any process starts (and each worker again, for runs started by torchrun or Slurm
+directly). Every message says what to change.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from dlab import models
-from dlab.runtime.faults import EXTRA_KEYS as FAULT_EXTRA_KEYS
-from dlab.runtime.faults import KINDS as FAULT_KINDS
-
-BYTE_VOCAB = 256  # dlab.models.data feeds bytes: every token id is one of 256 values
+from dlab.core.machine import gpu_count
+from dlab.core.options import Option
 
 
 class ConfigError(ValueError):
     """A run configuration that cannot work; the message says what to change."""
 
 
-@dataclass(frozen=True)
-class Option:
-    """A config field or a strategy option: its kind, the values it may take and what it does
-    (``help``, shown when a value is refused). ``kind`` is ``"int"`` (a whole number, not a
-    bool), ``"number"`` (a finite int or float), ``"bool"``, ``"str"``, ``"dict"`` or
-    ``"choice"`` (one of ``choices``); ``minimum`` bounds numbers (``above`` makes it strict);
-    ``none_ok`` lets None through (e.g. "unbounded"). Strategies declare theirs in
-    ``Strategy.OPTIONS``; the run's fields are in ``FIELDS``."""
-
-    kind: str
-    help: str
-    default: object = None
-    minimum: float | None = None
-    above: bool = False
-    choices: tuple = ()
-    none_ok: bool = False
-
-    def problem(self, name: str, value, label: str = "option ") -> str | None:
-        """What is wrong with ``value``, as a sentence saying what to use; None when it fits."""
-        if value is None and self.none_ok:
-            return None
-        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-              "number": isinstance(value, (int, float)) and not isinstance(value, bool)
-              and math.isfinite(value),
-              "bool": isinstance(value, bool),
-              "str": isinstance(value, str),
-              "dict": isinstance(value, dict),
-              "choice": value in self.choices if _hashable(value) else False}[self.kind]
-        if ok and self.minimum is not None and (value <= self.minimum if self.above
-                                                else value < self.minimum):
-            ok = False
-        if ok:
-            return None
-        if self.kind == "choice":
-            return (f"{label}{name}={value!r} is not one of {list(self.choices)}; {name} must be "
-                    f"one of those: {self.help}")
-        return f"{label}{name} must be {self.describe()} (got {value!r}): {self.help}"
-
-    def describe(self) -> str:
-        if self.kind == "bool":
-            return "True or False"
-        if self.kind == "choice":
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        if self.kind in ("str", "dict"):
-            return ("a string" if self.kind == "str" else "a dict") + (" or None" if self.none_ok else "")
-        what = "a whole number" if self.kind == "int" else "a finite number"
-        if self.kind == "number" and self.minimum == 0 and self.above:
-            what = "a positive finite number"
-        elif self.minimum is not None:
-            what += f" {'>' if self.above else '>='} {self.minimum:g}"
-        return what + (" or None" if self.none_ok else "")
+#: the faults a run may ask for, and the keys each takes beyond rank, step and kind
+#: (``dlab.runtime.faults`` injects them and says what each does)
+FAULT_KINDS = ("raise", "kill", "hang", "exit", "slow", "preempt")
+FAULT_EXTRA_KEYS = {"slow": ("delay_s", "steps")}
 
 
-def _hashable(value) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-#: the MoE model options that change training (capacity, balancing losses), and the
-#: strategies that implement them as ``single`` does (``dlab.models.moe``)
-MOE_TRAINING = ("capacity_factor", "aux_loss", "z_loss")
-MOE_TRAINING_STRATEGIES = ("single", "ep")
+def setting(kind: str, help: str, default=MISSING, *, flag: str | None = None,
+            short: str | None = None, metavar: str | None = None, **limits):
+    """A ``RunConfig`` field: its default, its ``Option`` (kind, help, limits) and, when it is
+    not ``--<name-with-dashes>``, its command-line ``flag`` (``short``: a one-letter alias)."""
+    option = Option(kind, help, None if default is MISSING else default, **limits)
+    meta = {"option": option, "flag": flag, "short": short, "metavar": metavar}
+    if kind == "dict" and default is MISSING:
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class RunConfig:
-    strategy: str
-    world_size: int = 2
-    steps: int = 20
-    model: str = "gpt"
-    model_options: dict = field(default_factory=dict)  # e.g. {"n_layer": 4, "d_model": 128}
-    batch_size: int = 8  # the global batch, in sequences (or samples for the MLP)
-    optimizer: str = "adam"
-    lr: float = 3e-3
-    seed: int = 0
-    backend: str = "auto"  # auto | gloo | nccl
-    device: str = "auto"  # auto | cpu | cuda
-    threads_per_rank: int = 1
-    timeout_s: float = 60.0  # deadline for the rendezvous, every collective and every step
-    options: dict = field(default_factory=dict)  # strategy-specific, see each strategy's doc
-    fault: dict | None = None  # {"rank": r, "step": s, "kind": ...}: dlab.runtime.faults
-    save_final: bool = False  # every rank writes the full final parameters (final_state_rank{r}.pt)
-    checkpoint_every: int = 0  # steps between checkpoints (0: none)
-    checkpoint_kind: str = "sharded"  # sharded (a file per rank) | full (one gathered file)
-    checkpoint_async: bool = False  # write in a thread while training goes on
-    keep_checkpoints: int = 2
-    resume: str = ""  # "latest" (this run directory's newest checkpoint), or a checkpoint or run path
-    max_restarts: int = 0  # torchrun restarts every rank this often after a failure
-    name: str = ""
+    strategy: str = setting("str", "a strategy name (python -m dlab strategies lists them)")
+    world_size: int = setting("int", "the number of ranks", 2, minimum=1, short="-n")
+    steps: int = setting("int", "optimizer steps to run", 20, minimum=1)
+    model: str = setting("choice", "the model every rank trains", "gpt",
+                         choices=tuple(models.MODELS))
+    model_options: dict = setting("dict", "model settings by name, e.g. {'n_layer': 4} "
+                                  "(--model-opt n_layer=4, repeatable)", flag="--model-opt")
+    batch_size: int = setting("int", "the global batch, in sequences (samples for the mlp)", 8,
+                              minimum=1)
+    optimizer: str = setting("choice", "the optimizer every rank builds", "adam",
+                             choices=("adam", "sgd"))
+    lr: float = setting("number", "the learning rate, e.g. 3e-3", 3e-3, minimum=0, above=True)
+    seed: int = setting("int", "the seed of weights, data and sampling", 0, minimum=0)
+    backend: str = setting("choice", "auto picks NCCL with a GPU per rank, else Gloo", "auto",
+                           choices=("auto", "gloo", "nccl"))
+    device: str = setting("choice", "auto follows the backend", "auto",
+                          choices=("auto", "cpu", "cuda"))
+    threads_per_rank: int = setting("int", "CPU threads each rank may use", 1, minimum=1,
+                                    flag="--threads")
+    timeout_s: float = setting("number", "seconds every collective, the rendezvous and every "
+                               "step may take before the run is ended", 60.0, minimum=0,
+                               above=True, flag="--timeout")
+    options: dict = setting("dict", "strategy options by name, e.g. {'bucket_cap_mb': 1} "
+                            "(--opt bucket_cap_mb=1, repeatable)", flag="--opt")
+    fault: dict | None = setting(
+        "dict", "a fault caused on purpose: {'rank': r, 'step': s, 'kind': 'raise'|'kill'|'hang'|"
+        "'exit'|'preempt'}, or {'kind': 'slow', 'rank': r, 'step': s, 'delay_s': d, 'steps': k} "
+        "(--fault RANK:STEP:KIND or RANK:STEP:slow:DELAY_S[:STEPS])", None, none_ok=True,
+        metavar="RANK:STEP:KIND")
+    save_final: bool = setting("bool", "every rank writes the full final parameters to "
+                               "final_state_rank{r}.pt (rank 0 also to final_state.pt)", False)
+    checkpoint_every: int = setting("int", "steps between checkpoints, 0 for none", 0, minimum=0)
+    checkpoint_kind: str = setting("choice", "a file per rank, or one gathered file", "sharded",
+                                   choices=("sharded", "full"))
+    checkpoint_async: bool = setting("bool", "write checkpoints in a thread while training "
+                                     "goes on", False)
+    keep_checkpoints: int = setting("int", "how many complete checkpoints to keep", 2, minimum=1)
+    resume: str = setting("str", "'' (none), 'latest' (this run directory's newest checkpoint), "
+                          "or a checkpoint or run directory", "", metavar="latest|PATH")
+    max_restarts: int = setting("int", "torchrun restarts every rank this often after a "
+                                "failure", 0, minimum=0)
+    name: str = setting("str", "a label for the run directory, e.g. 'ddp-small'", "")
 
     # --- derived -------------------------------------------------------------------------
     def model_config(self):
@@ -129,47 +99,24 @@ class RunConfig:
             return self.backend
         if self.device == "cpu":
             return "gloo"
-        return "nccl" if _gpu_count() >= self.world_size else "gloo"
+        return "nccl" if gpu_count() >= self.world_size else "gloo"
 
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
         return "cuda" if self.resolved_backend() == "nccl" else "cpu"
 
-    # --- validation ----------------------------------------------------------------------
-    def validate(self) -> RunConfig:
-        problems = self.problems()
-        if problems:
-            raise ConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
-        return self
-
+    # --- what the config alone can say -----------------------------------------------------
     def problems(self) -> list[str]:
-        """Every reason this config cannot run, each saying what to change. Kinds and ranges of
-        the fields first (``FIELDS``), then the model's options, devices, fault and
-        checkpoints; the strategy's option kinds and its own checks only once those hold."""
+        """Every reason this config cannot run that it can tell by itself, each saying what to
+        change: the kinds and ranges of the fields first, then the model's options, the
+        devices and the fault. (``dlab.worker.validate`` adds the strategy's checks and the
+        checkpoint to resume from.)"""
         p = self.field_problems()
         if p:  # the checks below compare and divide fields, so they need the right kinds
             return p
-        p += self._model_problems()
-        p += self._device_problems()
-        p += self._fault_problems()
-        p += self._checkpoint_problems()
-        if p:  # strategy checks assume the basics hold
-            return p
-        from dlab import parallel
-        try:
-            strategy = parallel.get(self.strategy)
-        except ValueError as e:
-            return [str(e)]
-        if (self.checkpoint_every or self.resume) and not strategy.can_checkpoint():
-            return [f"strategy {self.strategy!r} cannot save checkpoints yet; "
-                    f"set checkpoint_every=0 and resume=''"]
-        trained_moe = [k for k in MOE_TRAINING if self.model_options.get(k)]
-        if self.model == "moe" and trained_moe and self.strategy not in MOE_TRAINING_STRATEGIES:
-            return [f"model options {', '.join(trained_moe)} are built for "
-                    f"{' and '.join(MOE_TRAINING_STRATEGIES)} (whole-batch expert counts, losses "
-                    f"taken where every layer's router is): use one of them, or drop the options"]
-        return strategy.option_problems(self) or strategy.problems(self)
+        return (models.problems(self.model, self.model_options) + self.device_problems()
+                + self.fault_problems())
 
     def field_problems(self, names=None) -> list[str]:
         """The kind and range of each field in ``names`` (default: all), from ``FIELDS``."""
@@ -179,55 +126,12 @@ class RunConfig:
             p += _name_problems(self.name)
         return p
 
-    def _model_problems(self) -> list[str]:
-        try:
-            mc = self.model_config()
-        except (ValueError, TypeError) as e:
-            return [str(e)]
-        p = []
-        for name, value in self.model_options.items():
-            kind = type(mc.__dataclass_fields__[name].default)
-            if kind in (bool, str):
-                ok = isinstance(value, kind)
-            elif kind is float:
-                ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-                      and math.isfinite(value))
-            else:
-                ok = isinstance(value, int) and not isinstance(value, bool)
-            if not ok:
-                what = {bool: "True or False", str: "a string",
-                        float: "a finite number"}.get(kind, "a whole number")
-                p.append(f"model option {name} must be {what} (got {value!r})")
-        if p:
-            return p
-        p += mc.problems()
-        vocab = getattr(mc, "vocab_size", None)
-        if vocab is not None and vocab < BYTE_VOCAB:
-            p.append(f"model option vocab_size={vocab} is smaller than the data's {BYTE_VOCAB} "
-                     f"token values (the corpus is bytes); use vocab_size >= {BYTE_VOCAB}")
-        return p
-
-    def _checkpoint_problems(self) -> list[str]:
-        p = []
-        if self.resume not in ("", "latest"):
-            from dlab.runtime.checkpoint import resume_problems
-            try:
-                p += resume_problems(self, self.resume)
-            except FileNotFoundError as e:
-                p.append(f"resume: {e}")
-            except ValueError:  # the model config is wrong: reported on its own above
-                pass
-        if self.max_restarts and not self.checkpoint_every:
-            p.append("max_restarts without checkpoints restarts from step 0; "
-                     "set checkpoint_every (e.g. 5) too")
-        return p
-
-    def _device_problems(self) -> list[str]:
+    def device_problems(self) -> list[str]:
         p = []
         if os.name != "posix":  # start_new_session, killpg: what stops a run whole
             p.append("dlab runs each job in its own process session and ends it with POSIX "
                      "signals, which this system lacks: use Linux, or WSL on Windows")
-        gpus = _gpu_count()
+        gpus = gpu_count()
         if self.backend == "nccl" and gpus == 0:
             p.append("backend='nccl' needs CUDA GPUs and this machine has none; "
                      "use backend='gloo' (or 'auto')")
@@ -241,7 +145,7 @@ class RunConfig:
             p.append("NCCL moves CUDA tensors only; use backend='gloo' with device='cpu'")
         return p
 
-    def _fault_problems(self) -> list[str]:
+    def fault_problems(self) -> list[str]:
         if self.fault is None:
             return []
         f = self.fault
@@ -249,7 +153,7 @@ class RunConfig:
         kind = f.get("kind")
         if kind not in FAULT_KINDS:
             p.append(f"fault kind must be one of {FAULT_KINDS} (got {kind!r})")
-        keys = ["rank", "step", "kind", *sorted(FAULT_EXTRA_KEYS.get(kind, ()))]
+        keys = ["rank", "step", "kind", *FAULT_EXTRA_KEYS.get(kind, ())]
         unknown = sorted(set(f) - set(keys), key=str)
         if unknown:
             kind_s = f"a {kind!r} " if kind in FAULT_EXTRA_KEYS else ""
@@ -286,10 +190,9 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> RunConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - set(FIELDS))
         if unknown:
-            raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(known)}")
+            raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(FIELDS)}")
         if "strategy" not in d:
             raise ConfigError("a config needs a strategy, e.g. strategy='ddp'")
         return cls(**d)
@@ -299,38 +202,12 @@ class RunConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-FIELDS = {
-    "strategy": Option("str", "a strategy name (python -m dlab strategies lists them)"),
-    "world_size": Option("int", "the number of ranks", minimum=1),
-    "steps": Option("int", "optimizer steps to run", minimum=1),
-    "model": Option("str", "gpt, moe or mlp"),
-    "model_options": Option("dict", "model settings by name, e.g. {'n_layer': 4}"),
-    "batch_size": Option("int", "the global batch, in sequences (samples for the mlp)", minimum=1),
-    "optimizer": Option("choice", "the optimizer every rank builds", choices=("adam", "sgd")),
-    "lr": Option("number", "the learning rate, e.g. 3e-3", minimum=0, above=True),
-    "seed": Option("int", "the seed of weights, data and sampling", minimum=0),
-    "backend": Option("choice", "auto picks NCCL with a GPU per rank, else Gloo",
-                      choices=("auto", "gloo", "nccl")),
-    "device": Option("choice", "auto follows the backend", choices=("auto", "cpu", "cuda")),
-    "threads_per_rank": Option("int", "CPU threads each rank may use", minimum=1),
-    "timeout_s": Option("number", "seconds every collective, the rendezvous and every step "
-                        "may take before the run is ended", minimum=0, above=True),
-    "options": Option("dict", "strategy options by name, e.g. {'bucket_cap_mb': 1}"),
-    "fault": Option("dict", "{'rank': r, 'step': s, 'kind': 'raise'|'kill'|'hang'|'exit'|"
-                    "'preempt'}, or {'kind': 'slow', 'rank': r, 'step': s, 'delay_s': d, "
-                    "'steps': k}",
-                    none_ok=True),
-    "save_final": Option("bool", "every rank writes the full final parameters to "
-                                 "final_state_rank{r}.pt (rank 0 also to final_state.pt)"),
-    "checkpoint_every": Option("int", "steps between checkpoints, 0 for none", minimum=0),
-    "checkpoint_kind": Option("choice", "a file per rank, or one gathered file",
-                              choices=("sharded", "full")),
-    "checkpoint_async": Option("bool", "write checkpoints in a thread while training goes on"),
-    "keep_checkpoints": Option("int", "how many complete checkpoints to keep", minimum=1),
-    "resume": Option("str", "'' (none), 'latest', or a checkpoint or run directory"),
-    "max_restarts": Option("int", "torchrun restarts after a failure", minimum=0),
-    "name": Option("str", "a label for the run directory, e.g. 'ddp-small'"),
-}
+#: every field's ``Option``, by name, read off the declarations above
+FIELDS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(RunConfig)}
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _name_problems(name: str) -> list[str]:
@@ -345,12 +222,7 @@ def _name_problems(name: str) -> list[str]:
     return []
 
 
-def _gpu_count() -> int:
-    import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-# --- command-line flags (shared by ``python -m dlab run`` and ``python -m dlab.worker``) ------
+# --- command-line flags (``python -m dlab run`` and ``python -m dlab.worker``), derived -----
 
 def _value(text: str):
     """``k=v`` values: JSON when they parse (numbers, true/false, lists), else the string."""
@@ -370,60 +242,59 @@ def _pairs(items: list[str] | None, flag: str) -> dict:
     return out
 
 
+def _fault(text: str | None) -> dict | None:
+    if not text:
+        return None
+    try:
+        r, s, kind, *extra = text.split(":")
+        fault = {"rank": int(r), "step": int(s), "kind": kind}
+        if kind == "slow":
+            fault["delay_s"] = float(extra.pop(0))
+            if extra:
+                fault["steps"] = int(extra.pop(0))
+        if extra:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ConfigError(
+            f"--fault takes RANK:STEP:KIND, e.g. 1:3:raise, or RANK:STEP:slow:DELAY_S[:STEPS], "
+            f"e.g. 1:2:slow:0.1:5 (got {text!r})") from None
+    return fault
+
+
+def _flag(f) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
 def add_arguments(parser, strategy_required: bool = True) -> None:
-    d = RunConfig(strategy="")
-    parser.add_argument("strategy", nargs=None if strategy_required else "?",
-                        help="strategy name (python -m dlab strategies lists them)")
-    parser.add_argument("--world-size", "-n", type=int, default=d.world_size)
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument("--model", default=d.model, help="gpt or mlp")
-    parser.add_argument("--model-opt", action="append", metavar="KEY=VALUE",
-                        help="model option, e.g. n_layer=4 (repeatable)")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch")
-    parser.add_argument("--optimizer", default=d.optimizer)
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--backend", default=d.backend)
-    parser.add_argument("--device", default=d.device)
-    parser.add_argument("--threads", type=int, default=d.threads_per_rank, help="threads per rank")
-    parser.add_argument("--timeout", type=float, default=d.timeout_s,
-                        help="deadline in seconds for the rendezvous, each collective and each step")
-    parser.add_argument("--opt", action="append", metavar="KEY=VALUE",
-                        help="strategy option, e.g. bucket_cap_mb=1 (repeatable)")
-    parser.add_argument("--fault", metavar="RANK:STEP:KIND",
-                        help=f"inject a fault; KIND is one of {', '.join(FAULT_KINDS)}")
-    parser.add_argument("--save-final", action="store_true")
-    parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--checkpoint-kind", default=d.checkpoint_kind, help="sharded or full")
-    parser.add_argument("--checkpoint-async", action="store_true")
-    parser.add_argument("--resume", default="", metavar="latest|PATH",
-                        help="start from a checkpoint: this run's newest, or a checkpoint or run directory")
-    parser.add_argument("--max-restarts", type=int, default=0)
-    parser.add_argument("--name", default="")
+    """One flag per ``RunConfig`` field, its help and default from the declaration."""
+    for f in fields(RunConfig):
+        option: Option = f.metadata["option"]
+        if f.name == "strategy":
+            parser.add_argument("strategy", nargs=None if strategy_required else "?",
+                                help=option.help)
+            continue
+        names = [_flag(f)] + ([f.metadata["short"]] if f.metadata["short"] else [])
+        kw = {"dest": f.name, "help": option.help, "metavar": f.metadata["metavar"]}
+        if option.kind == "bool":
+            kw = {"dest": f.name, "help": option.help, "action": "store_true"}
+        elif option.kind == "dict" and f.name != "fault":
+            kw.update(action="append", metavar="KEY=VALUE")
+        else:
+            kw.update(default=option.default,
+                      type={"int": int, "number": float}.get(option.kind, str))
+            if option.kind == "choice":
+                kw["choices"] = option.choices
+        parser.add_argument(*names, **{k: v for k, v in kw.items() if v is not None})
 
 
 def from_args(args) -> RunConfig:
-    fault = None
-    if args.fault:
-        try:
-            r, s, kind, *extra = args.fault.split(":")
-            fault = {"rank": int(r), "step": int(s), "kind": kind}
-            if kind == "slow":
-                fault["delay_s"] = float(extra.pop(0))
-                if extra:
-                    fault["steps"] = int(extra.pop(0))
-            if extra:
-                raise ValueError
-        except (ValueError, IndexError):
-            raise ConfigError(
-                f"--fault takes RANK:STEP:KIND, e.g. 1:3:raise, or RANK:STEP:slow:DELAY_S[:STEPS], "
-                f"e.g. 1:2:slow:0.1:5 (got {args.fault!r})") from None
-    return RunConfig(
-        strategy=args.strategy, world_size=args.world_size, steps=args.steps, model=args.model,
-        model_options=_pairs(args.model_opt, "--model-opt"), batch_size=args.batch_size,
-        optimizer=args.optimizer, lr=args.lr, seed=args.seed, backend=args.backend,
-        device=args.device, threads_per_rank=args.threads, timeout_s=args.timeout,
-        options=_pairs(args.opt, "--opt"), fault=fault, save_final=args.save_final,
-        checkpoint_every=args.checkpoint_every, checkpoint_kind=args.checkpoint_kind,
-        checkpoint_async=args.checkpoint_async, resume=args.resume,
-        max_restarts=args.max_restarts, name=args.name)
+    """The ``RunConfig`` of flags parsed by ``add_arguments``."""
+    values = {}
+    for f in fields(RunConfig):
+        value = getattr(args, f.name)
+        if f.name == "fault":
+            value = _fault(value)
+        elif f.metadata["option"].kind == "dict":
+            value = _pairs(value, _flag(f))
+        values[f.name] = value
+    return RunConfig(**values)

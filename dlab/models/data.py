@@ -17,7 +17,10 @@ import torch
 
 from dlab.models.corpus import make_corpus
 
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
+#: the repository's corpus (a source checkout has it; an installed package makes the same text)
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.txt"
+#: every token id is one of the 256 byte values
+BYTE_VOCAB = 256
 
 
 def load_corpus() -> torch.Tensor:

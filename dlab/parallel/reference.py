@@ -27,6 +27,7 @@ HOOKS = (*CAST_HOOKS, "powersgd")
 class Single(WholeModel):
     """One process, the whole model and the whole global batch: the ground truth."""
     world_sizes = (1,)
+    trains_moe_options = True
 
     def setup(self) -> None:
         self.model = self.build_model()

@@ -41,10 +41,10 @@ from pathlib import Path
 import psutil
 
 from dlab.core.config import ConfigError, RunConfig
-from dlab.procs.launch import (
-    Run,
+from dlab.core.rundir import JsonlTail, RunDir
+from dlab.procs.launch import check_runs_dir
+from dlab.procs.process import (
     binds_its_port,
-    check_runs_dir,
     free_port,
     kill_tree,
     process_tree,
@@ -52,7 +52,8 @@ from dlab.procs.launch import (
     spawn_tied_to_this_process,
     worker_env,
 )
-from dlab.core.rundir import JsonlTail, RunDir
+from dlab.procs.run import Run
+from dlab.worker.validate import validate
 
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"
 #: restarts an agent may make after failures (the loss of a peer is one)
@@ -174,8 +175,8 @@ def _checked(strategy: str, full: int, small: int, lose_at: int, back_after: int
              config: dict) -> RunConfig:
     if small < 1:
         raise ConfigError("an elastic rehearsal needs at least 2 agents (one is lost); use agents=2")
-    cfg = RunConfig.from_dict({"strategy": strategy, "world_size": full, **config}).validate()
-    RunConfig.from_dict({"strategy": strategy, "world_size": small, **config}).validate()
+    cfg = validate(RunConfig.from_dict({"strategy": strategy, "world_size": full, **config}))
+    validate(RunConfig.from_dict({"strategy": strategy, "world_size": small, **config}))
     if not cfg.checkpoint_every:
         raise ConfigError("every restart of an elastic run resumes from the newest checkpoint; "
                           "set checkpoint_every (e.g. 2)")

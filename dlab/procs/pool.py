@@ -25,24 +25,18 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from dlab.tools.magic import RankError, RankOutputs, cell_traceback
+from dlab.procs.cells import RankError, RankOutputs, cell_traceback
+from dlab.procs.process import free_port
 
 
 class PoolRestarted(RuntimeError):
     """The pool could not get every rank back and started new ones: state is gone."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankPool:
@@ -66,7 +60,7 @@ class RankPool:
         wait until every one has joined the process group."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "WORLD_SIZE": str(self.nprocs), "DLAB_POOL_PARENT": str(os.getpid()),
                "DLAB_POOL_BACKEND": self.backend}
         for r in range(self.nprocs):

@@ -24,13 +24,13 @@ N = 1 / ratio on.
 
 ``messages`` lists each step's collectives (one per bucket, and for PowerSGD up to three),
 ``bytes_per_step`` their ring-model bytes, ``gloo_bytes_per_step`` what Gloo writes for them
-(``dlab.theory.comm.gloo_*``: its segments and framing), the figure measured on the wire.
+(``dlab.comm.gloo``: its segments and framing), the figure measured on the wire.
 """
 from __future__ import annotations
 
 import math
 
-from dlab.theory.comm import gloo_all_gather_bytes, gloo_all_reduce_bytes
+from dlab.comm.gloo import gloo_all_gather_bytes, gloo_all_reduce_bytes
 from dlab.theory.data_parallel import bucket_sizes
 
 METHODS = ("none", "fp16", "bf16", "powersgd", "topk")

@@ -25,6 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dlab import models
+from dlab.comm import gloo
+
 STAGES = (0, 1, 2, 3)
 
 
@@ -81,7 +84,6 @@ def mlp_units(cfg) -> Units:
 
 
 def model_units(model: str, options: dict) -> Units:
-    from dlab import models
     cfg = models.model_config(model, options)
     return gpt_units(cfg) if model == "gpt" else mlp_units(cfg)
 
@@ -157,12 +159,10 @@ def zero_bytes_moved(units: Units, world_size: int, stage: int, mixed_precision:
 def zero_wire_bytes(units: Units, world_size: int, rank: int, stage: int,
                     reduce_scatter: str = "backend", mixed_precision: bool = False) -> int:
     """Bytes rank ``rank`` writes on Gloo per step in dlab's ``zero{stage}`` (the model of
-    Gloo's real algorithms, ``dlab.theory.comm.gloo_*``, framing included), for the gradient
+    Gloo's real algorithms, ``dlab.comm.gloo``, framing included), for the gradient
     reduce-scatter by the backend (a whole all-reduce on Gloo: 2 (N-1)/N S) or by dlab's ring
     (``reduce_scatter="ring"``: (N-1)/N S), and the parameter all-gathers. The per-step record's
     ``wire_bytes`` measures it."""
-    from dlab.theory import comm
-
     _check_stage(stage)
     n = world_size
     w, _ = _precision(mixed_precision, "adam")
@@ -170,7 +170,7 @@ def zero_wire_bytes(units: Units, world_size: int, rank: int, stage: int,
     for i, u in enumerate(units.all):
         size = w * padded(u, n)
         gathers = 2 if stage == 3 and not (bool(units.root) and i == 0) else 1
-        total += (comm.ring_reduce_scatter_wire(size, n) if reduce_scatter == "ring"
-                  else comm.gloo_reduce_scatter_bytes(size, n, rank, w))
-        total += gathers * comm.gloo_all_gather_bytes(size, n)
+        total += (gloo.ring_reduce_scatter_wire(size, n) if reduce_scatter == "ring"
+                  else gloo.gloo_reduce_scatter_bytes(size, n, rank, w))
+        total += gathers * gloo.gloo_all_gather_bytes(size, n)
     return total

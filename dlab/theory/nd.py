@@ -61,7 +61,7 @@ from dlab.models import MODELS
 from dlab.models import recompute as rc
 from dlab.layout.layout import Layout
 from dlab.layout import schedules
-from dlab.parallel.pipeline.split import partition
+from dlab.layout.stages import partition
 
 FP32 = 4
 

@@ -22,7 +22,7 @@ what communication and the dispatch between actions cost).
 """
 from __future__ import annotations
 
-from dlab.layout.schedules import COMPUTE, Schedule
+from dlab.layout.schedules import COMPUTE, SHORT, Schedule
 
 
 class DeadlockError(RuntimeError):
@@ -107,6 +107,50 @@ def _ready(a, sr, r, last, posted, received, local, f_end, t_comm) -> float | No
         got = received.get((a.stage, a.mb, "grad"), local.get((a.stage, a.mb, "grad")))
         return None if got is None else max(got, f_end[(a.stage, a.mb)])
     return 0.0  # weight_grad: its backward ran earlier on this rank
+
+
+def validate(schedule: Schedule) -> None:
+    """Raises ValueError unless ``schedule`` is runnable: every stage runs every micro-batch's
+    forward and backward (and weight gradient, if split) once, on its own rank, forward before
+    backward before weight gradient; every send has exactly one matching recv on the peer's rank
+    and vice versa; and it completes without deadlock (checked by simulating it)."""
+    sr, m, n = schedule.stage_rank, schedule.m, schedule.n_stages
+    kinds = ("forward", "backward") + (("weight_grad",) if schedule.split_backward else ())
+    position: dict[tuple, int] = {}
+    sends, recvs = set(), set()
+    for rank, acts in enumerate(schedule.actions):
+        for k, a in enumerate(acts):
+            if sr[a.stage] != rank:
+                raise ValueError(f"rank {rank} runs {a} but stage {a.stage} lives on rank {sr[a.stage]}")
+            key = (a.kind, a.stage, a.mb, a.peer)
+            if key in position:
+                raise ValueError(f"rank {rank} runs {a} twice")
+            position[key] = k
+            if a.kind == "send":
+                sends.add((a.stage, a.mb, a.peer))
+            elif a.kind == "recv":
+                recvs.add((a.peer, a.mb, a.stage))
+            elif a.kind == "weight_grad" and not schedule.split_backward:
+                raise ValueError(f"{a}: weight_grad in a schedule whose backward is not split")
+    for s in range(n):
+        for i in range(m):
+            pos = []
+            for kind in kinds:
+                if (kind, s, i, None) not in position:
+                    raise ValueError(f"{SHORT[kind]}{i}@{s} is missing from rank {sr[s]}'s list")
+                pos.append(position[(kind, s, i, None)])
+            if pos != sorted(pos):
+                raise ValueError(f"micro-batch {i} on stage {s}: {'/'.join(kinds)} out of order")
+            for peer in (s - 1, s + 1):
+                crosses = 0 <= peer < n and sr[peer] != sr[s]
+                if not crosses:
+                    continue
+                wanted = (s, i, peer)
+                if wanted not in sends:
+                    raise ValueError(f"stage {s} never sends micro-batch {i} to stage {peer}")
+    if sends != recvs:
+        raise ValueError(f"unmatched sends {sorted(sends - recvs)} / recvs {sorted(recvs - sends)}")
+    simulate(schedule)  # raises DeadlockError if the lists can block each other forever
 
 
 # --- what a timeline says ------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 import dlab
-from dlab.cli.env import usable_cores
+from dlab.core.machine import usable_cores
 from dlab.theory.plan import cluster as clusters
 
 

@@ -23,7 +23,7 @@ def notebooks_dir() -> Path:
     """``notebooks/`` of the current directory (the repository, as ``make lab`` runs it), else
     the one beside this package."""
     here = Path("notebooks")
-    return here.resolve() if here.is_dir() else Path(__file__).resolve().parent.parent / "notebooks"
+    return here.resolve() if here.is_dir() else Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def has_display() -> bool:

@@ -27,6 +27,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dlab.analysis.reader import open_run
 from dlab.core.metrics import CATEGORIES
 from dlab.ui.collectives import COLLECTIVES, collective_diagram  # noqa: F401 - part of dlab.ui.plots
 from dlab.ui.theory import PipelineLayout, bubble_formula, model_state, pipeline_layout
@@ -66,10 +67,9 @@ def new_figure(**kwargs) -> Figure:
 
 # --- reading --------------------------------------------------------------------------------
 def as_run(run):
-    """A ``Run`` from a ``Run`` or a run directory's path."""
+    """A run to read: ``run`` itself (a ``Run`` or ``RunView``), or a run directory's path."""
     if isinstance(run, (str, Path)):
-        from dlab.procs.launch import attach
-        return attach(run)
+        return open_run(run)
     return run
 
 

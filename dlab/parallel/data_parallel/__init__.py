@@ -14,11 +14,3 @@
 ``dlab.theory.data_parallel`` has the bytes each moves; ``torch-ddp`` (``reference.py``) is
 PyTorch's DistributedDataParallel, the peer in ``python -m dlab bench ddp``.
 """
-from dlab.parallel.data_parallel import (  # noqa: F401 - registers
-    backup_workers,
-    ddp,
-    downpour,
-    local_sgd,
-    naive,
-    parameter_server,
-)

@@ -48,7 +48,7 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 
 from dlab.comm.instrumented import nbytes
 from dlab.comm.wire import meter
-from dlab.theory import comm as comm_model
+from dlab.comm import gloo as comm_model
 from dlab.core.metrics import storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
@@ -77,6 +77,11 @@ class _Periodic(Replica):
     replicated = False
     checkpoint_state = Strategy.checkpoint_state
     load_checkpoint_state = Strategy.load_checkpoint_state
+
+    @classmethod
+    def predicted_state(cls, config, rank):
+        """No formula: DiLoCo's outer step holds its own state beside the inner optimizer's."""
+        return None
 
     def setup(self) -> None:
         super().setup()

@@ -56,6 +56,11 @@ class ServedReplica(Replica):
     checkpoint_state = Strategy.checkpoint_state
     load_checkpoint_state = Strategy.load_checkpoint_state
 
+    @classmethod
+    def predicted_state(cls, config, rank):
+        """No formula: the server holds the optimizer, the workers none."""
+        return None
+
     def setup(self) -> None:
         self.model = self.build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]

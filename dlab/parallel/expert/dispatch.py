@@ -27,6 +27,12 @@ import torch
 from dlab.comm.instrumented import Comm
 
 
+def owner(expert: int, n_expert: int, ranks: int) -> int:
+    """The rank of an expert-parallel group of ``ranks`` that holds ``expert``: rank r holds
+    experts [r E/n, (r+1) E/n)."""
+    return expert // (n_expert // ranks)
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: Comm, out_splits: list[int], in_splits: list[int]):

@@ -14,4 +14,3 @@
 ``dlab.theory.memory`` has the formulas (bytes per rank by category, bytes moved per step)
 the tests hold these to; ``python -m dlab bench zero`` sets them side by side.
 """
-from dlab.parallel.zero import stage1, stage2, stage3, torch_fsdp  # noqa: F401 - registers

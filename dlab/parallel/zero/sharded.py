@@ -48,6 +48,7 @@ from dlab.models.data import shard
 from dlab.comm.host import host_copies_done, pinned, to_host
 from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
+from dlab.theory import memory
 from dlab.parallel.zero.flat import FlatUnit, build_units
 
 BOOL_OPTIONS = {
@@ -147,6 +148,16 @@ class ZeroStrategy(Strategy):
     @classmethod
     def problems(cls, config):
         return super().problems(config) + data_parallel_problems(config, config.world_size)
+
+    @classmethod
+    def predicted_state(cls, config, rank):
+        """dlab's exact ZeRO accounting (``dlab.theory.memory.zero_memory``: padding and Adam's
+        step counters included) of the units this rank owns."""
+        state = memory.zero_memory(memory.model_units(config.model, config.model_options),
+                                   config.world_size, cls.stage,
+                                   config.options.get("mixed_precision", False), config.optimizer,
+                                   rank)
+        return {k: state[k] for k in ("parameters", "gradients", "optimizer")}
 
     # --- setup ------------------------------------------------------------------------------
     def setup(self) -> None:

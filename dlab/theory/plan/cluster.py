@@ -39,8 +39,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlab.core.machine import measure_cpu_peak_flops, usable_cores
+
 GB = 1e9
-FITTED_LINK = Path(__file__).resolve().parents[2] / "docs" / "bench" / "allreduce.json"
+FITTED_LINK = Path(__file__).resolve().parents[3] / "docs" / "bench" / "allreduce.json"
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,6 @@ def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: floa
                  ring_tile: tuple = (), calls: tuple = (), utilization: float = 1.0) -> Cluster:
     """The lab's CPU: ``peak`` per rank measured now unless given (one thread per rank).
     ``dlab.tools.calibrate.this_machine`` measures every constant for a given model."""
-    from dlab.cli.env import usable_cores
-    from dlab.core.metrics import measure_cpu_peak_flops
     cores = usable_cores()
     link = fitted_link(ranks)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -6,7 +6,7 @@ optimizer (``dlab.theory.plan.time``). On a CPU whose cores the ranks outnumber 
 rank's CPU seconds shared out over the cores, plus the cores' time no rank could use
 ("idle_cores"), unless one rank's own chain is longer ("bubble"). Memory is the fullest
 rank's (``dlab.theory.plan.memory``). MFU counts the model's FLOPs (``Transformer.flops_per_token``),
-HFU adds what recomputation repeats, both over N ranks' peak (as ``dlab.runtime.train`` records them).
+HFU adds what recomputation repeats, both over N ranks' peak (as ``dlab.worker.train`` records them).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
     tokens = global_batch * seq_len
     model_flops = spec.flops_per_token(seq_len) * tokens
     hw_flops = model_flops + spec.recompute_flops_per_token(seq_len, lay.recompute) * tokens
-    peak = cluster.peak * lay.world  # per rank, as the runs record MFU (dlab.runtime.train)
+    peak = cluster.peak * lay.world  # per rank, as the runs record MFU (dlab.worker.train)
     capacity = cluster.memory - cluster.reserved
     notes = assumed(lay)
     if cluster.oversubscribed(lay.world):

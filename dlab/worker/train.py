@@ -31,7 +31,7 @@ from dlab.runtime.checkpoint import Checkpointer
 from dlab.comm.instrumented import OpStats
 from dlab.comm.wire import meter
 from dlab.models.data import make_data
-from dlab.core.metrics import device_peak_flops
+from dlab.core.machine import device_peak_flops
 from dlab.parallel.base import Context, Strategy
 from dlab.runtime.preemption import Preemption
 from dlab.core.rundir import RankWriter
