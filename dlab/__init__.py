@@ -4,12 +4,12 @@
     run = dlab.launch("torch-ddp", world_size=4, steps=20, wait=True)
     run.summary()
 """
-from dlab.core.config import ConfigError, RunConfig
 from dlab.analysis.diagnose import RunFailed
+from dlab.core.config import ConfigError, RunConfig
 from dlab.procs.launch import launch
 from dlab.procs.run import Run, attach
-from dlab.ui.plots import compare as compare  # re-export; matplotlib loads on first call
 from dlab.procs.spawn import spawn
+from dlab.ui.plots import compare as compare  # re-export; matplotlib loads on first call
 
 __version__ = "0.1.0"
 
@@ -18,5 +18,5 @@ __all__ = ["ConfigError", "Run", "RunConfig", "RunFailed", "attach", "launch", "
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext dlab``: registers the ``%%distributed`` cell magic."""
-    from dlab.tools.magic import register_magics
+    from dlab.tools.magic import register_magics  # IPython, a lab extra: loaded by %load_ext only
     register_magics(ipython)

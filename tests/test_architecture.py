@@ -62,6 +62,22 @@ def _resolve(name: str, known: dict) -> str | None:
     return name or None
 
 
+def _targets(node, mod: str, is_pkg: bool, known: dict) -> list[str]:
+    """The dlab modules an import statement names (relative imports resolved)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            here = mod if is_pkg else mod.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                here = here.rpartition(".")[0]
+            base = f"{here}.{base}" if base else here
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    found = (_resolve(n, known) for n in names if n.split(".")[0] == "dlab")
+    return [t for t in found if t and t != mod]
+
+
 def imports() -> list[tuple[str, str, int, bool, str]]:
     """(importer, imported, line, inside a function, the line's text) for every dlab import."""
     known = modules()
@@ -69,33 +85,14 @@ def imports() -> list[tuple[str, str, int, bool, str]]:
     for mod, path in known.items():
         source = path.read_text()
         lines = source.splitlines()
-        is_pkg = path.name == "__init__.py"
-
-        def visit(node, in_function: bool):
-            for child in ast.iter_child_nodes(node):
-                nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-                targets = []
-                if isinstance(child, ast.Import):
-                    targets = [a.name for a in child.names]
-                elif isinstance(child, ast.ImportFrom):
-                    base = child.module or ""
-                    if child.level:
-                        here = mod if is_pkg else mod.rpartition(".")[0]
-                        for _ in range(child.level - 1):
-                            here = here.rpartition(".")[0]
-                        base = f"{here}.{base}" if base else here
-                    targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                               for a in child.names]
-                for t in targets:
-                    if t.split(".")[0] != "dlab":
-                        continue
-                    target = _resolve(t, known)
-                    if target and target != mod:
-                        out.append((mod, target, child.lineno, in_function,
-                                    lines[child.lineno - 1]))
-                visit(child, nested)
-
-        visit(ast.parse(source), False)
+        stack = [(node, False) for node in ast.iter_child_nodes(ast.parse(source))]
+        while stack:
+            node, in_function = stack.pop()
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                out += [(mod, t, node.lineno, in_function, lines[node.lineno - 1])
+                        for t in _targets(node, mod, path.name == "__init__.py", known)]
+            nested = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            stack += [(child, nested) for child in ast.iter_child_nodes(node)]
     return out
 
 

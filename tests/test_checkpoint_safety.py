@@ -11,8 +11,8 @@ from helpers import TINY_GPT
 
 import dlab
 from dlab import models
-from dlab.runtime import checkpoint
 from dlab.core.config import RunConfig
+from dlab.runtime import checkpoint
 
 GPT2 = TINY_GPT["model_options"]  # n_layer=2, d_model=32, n_head=2, seq_len=32
 

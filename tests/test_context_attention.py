@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import dlab
-from dlab.theory import context as est
 from dlab.layout import tokens as layout
+from dlab.theory import context as est
 
 B, H, T, D = 2, 4, 16, 4  # T divides into 2n chunks and H into n heads for n = 2 and 4
 

@@ -8,8 +8,8 @@ from helpers import TINY_GPT, assert_same_training, losses
 
 import dlab
 from dlab.core.config import ConfigError
-from dlab.theory import context as est
 from dlab.models import model_config
+from dlab.theory import context as est
 
 CP_GPT = {**TINY_GPT, "model_options": {**TINY_GPT["model_options"], "seq_len": 32}}
 PARAM_BYTES = 4 * model_config("gpt", CP_GPT["model_options"]).n_params()

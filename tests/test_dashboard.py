@@ -11,8 +11,10 @@ import pytest
 from helpers import TINY_GPT
 
 import dlab
+from dlab.core.events import bubble_fractions
+from dlab.ui.collectives import collective_diagram
 from dlab.ui.dashboard import Dashboard, show
-from dlab.ui.plots import bubble_fractions, collective_diagram, compare, plot
+from dlab.ui.plots import compare, plot
 
 MEMORY = {"parameters": 4000, "gradients": 4000, "optimizer": 8000, "activations": 3000,
           "comm_buffers": 1000}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlab.runtime import checkpoint
 from dlab.comm.host import host_copies_done, pinned, to_host
+from dlab.runtime import checkpoint
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -12,8 +12,8 @@ import pytest
 from helpers import TINY_GPT, assert_same_training, losses
 
 import dlab
-from dlab.procs.process import free_port
 from dlab.core.rundir import RunDir
+from dlab.procs.process import free_port
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

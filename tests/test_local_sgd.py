@@ -25,11 +25,11 @@ import torch
 from helpers import TINY_GPT, assert_ranks_agree, assert_same_training, final_state, losses, max_param_diff
 
 import dlab
-from dlab.core.config import ConfigError, RunConfig
-from dlab.models.data import make_data, shard
 from dlab.comm import gloo as comm_model
-from dlab.theory import local_sgd as est
+from dlab.core.config import ConfigError, RunConfig
 from dlab.models import model_config
+from dlab.models.data import make_data, shard
+from dlab.theory import local_sgd as est
 
 #: 18 steps: a run long enough for the loss to move, and not a multiple of H = 4, so the
 #: forced final sync (steps 3, 7, 11, 15 and 17) is exercised

@@ -13,8 +13,8 @@ from helpers import assert_same_training
 
 import dlab
 from dlab.core.config import ConfigError, RunConfig
-from dlab.theory import nd
 from dlab.layout.layout import Layout
+from dlab.theory import nd
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}

@@ -9,8 +9,8 @@ from helpers import assert_same_training, losses
 
 import dlab
 from dlab.core.config import ConfigError
-from dlab.theory import hybrid, tensor
 from dlab.models.gpt import GPTConfig
+from dlab.theory import hybrid, tensor
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}

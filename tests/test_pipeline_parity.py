@@ -9,9 +9,9 @@ from helpers import assert_same_training, losses
 
 import dlab
 from dlab.core.config import ConfigError
-from dlab.theory import pipeline as est
-from dlab.models import model_config
 from dlab.layout import schedules
+from dlab.models import model_config
+from dlab.theory import pipeline as est
 from dlab.theory.simulate import bubble, bubble_of_ops
 
 # 8 blocks, so 4 ranks x 2 virtual stages each still get a block per stage.

@@ -7,12 +7,12 @@ import itertools
 
 import pytest
 
-from dlab.theory import pipeline as est
 from dlab.layout import schedules
 from dlab.layout.schedules import B, F, Schedule, _with_comms
+from dlab.layout.stages import partition
+from dlab.theory import pipeline as est
 from dlab.theory import simulate as simulation
 from dlab.theory.simulate import DeadlockError, bubble, simulate
-from dlab.layout.stages import partition
 
 GRID = [(name, p, m, v) for name in schedules.SCHEDULES
         for p, m, v in itertools.product(range(1, 6), range(1, 13), (1, 2, 3))]

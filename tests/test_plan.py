@@ -13,7 +13,15 @@ import json
 import pytest
 
 from dlab.plan import PlanError, PlanLayout, clusters, models, plan
-from dlab.theory.plan.memory import activations, layer_bytes, layer_terms, model_state, rank_params, state_bytes
+from dlab.theory.comm import AlphaBeta
+from dlab.theory.plan.memory import (
+    activations,
+    layer_activation_terms,
+    layer_bytes,
+    model_state,
+    rank_params,
+    state_bytes,
+)
 from dlab.theory.plan.search import layouts, pareto, search
 
 GB = 1e9
@@ -81,11 +89,11 @@ def test_korthikanti_first_pipeline_stage_holds_L_layers_worth():
 
 def test_flash_attention_keeps_no_s_squared_term_and_gqa_shrinks_k_v():
     spec = models.preset("llama3-70b")
-    flash = layer_terms(spec, PlanLayout(), 1, 8192)
+    flash = layer_activation_terms(spec, PlanLayout(), 1, 8192)
     assert "softmax" not in flash and flash["log-sum-exp"] == 4 * spec.n_head * 8192
     assert flash["k, v"] == pytest.approx(flash["q"] * 2 * spec.n_kv_head / spec.n_head)
     # 8 KV heads over tp 16: each rank keeps one head's K and V whole (replicated), not half
-    wide = layer_terms(spec, PlanLayout(tp=16), 1, 8192)
+    wide = layer_activation_terms(spec, PlanLayout(tp=16), 1, 8192)
     assert wide["k, v"] == pytest.approx(2 * 2 * 8192 * spec.kv_width / spec.n_kv_head)
 
 
@@ -102,7 +110,7 @@ def test_data_parallelism_divides_compute_and_tp_across_nodes_costs_more():
 
 
 def test_bubble_is_the_schedules_idle_share_when_nothing_else_costs():
-    fast = dataclasses.replace(H100, intra=clusters.Link(1e30, 0.0), inter=clusters.Link(1e30, 0.0),
+    fast = dataclasses.replace(H100, intra=AlphaBeta.link(1e30, 0.0), inter=AlphaBeta.link(1e30, 0.0),
                                hbm=1e30)
     lay = PlanLayout(tp=8, pp=4, sp=True)
     p = plan(LLAMA70, fast, lay, 16, 4096)  # 16 micro-batches
@@ -160,11 +168,11 @@ def test_without_grad_overlap_only_the_reduction_shows_and_zero3_gathers_still_h
 
 
 def test_bad_layouts_are_refused_with_what_to_change():
-    with pytest.raises(PlanError, match="must divide the 64 heads"):
+    with pytest.raises(PlanError, match="must divide the model.s 64 heads"):
         plan(LLAMA70, H100, PlanLayout(tp=3), 8, 4096)
     with pytest.raises(PlanError, match="pick a multiple of 16"):
         plan(LLAMA70, H100, PlanLayout(dp=16), 24, 4096)
-    with pytest.raises(PlanError, match="needs a mixture-of-experts"):
+    with pytest.raises(PlanError, match="splits the experts of a mixture of experts"):
         plan(LLAMA70, H100, PlanLayout(dp=2, ep=2), 8, 4096)
 
 

@@ -10,7 +10,8 @@ from test_dashboard import record_pipeline_run
 
 import dlab
 from dlab.theory.memory import model_units, zero_memory
-from dlab.ui.plots import KIND_COLORS, MiB, compare, plot
+from dlab.ui.figure import KIND_COLORS, MiB
+from dlab.ui.plots import compare, plot
 
 P, M = 2, 8
 

@@ -19,10 +19,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import dlab
 from dlab import models
-from dlab.runtime import checkpoint
 from dlab.core.config import RunConfig
-from dlab.theory.activations import activation_bytes
 from dlab.core.metrics import ActivationMeter
+from dlab.runtime import checkpoint
+from dlab.theory.activations import activation_bytes
 
 MODES = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
 

@@ -8,8 +8,8 @@ import pytest
 from helpers import assert_same_training, losses
 
 import dlab
-from dlab.core.config import ConfigError, RunConfig
 from dlab.comm import gloo as model
+from dlab.core.config import ConfigError, RunConfig
 from dlab.theory.memory import model_units, zero_wire_bytes
 
 UNEVEN = {"model": "gpt", "batch_size": 8, "steps": 3,

@@ -91,9 +91,9 @@ def _vocab_parallel(comm, sp: bool) -> dict[str, float]:
 def _model_bytes_and_memory(comm, sp: bool) -> dict[str, float]:
     """One transformer layer's bytes, and the whole model's saved activations, measured."""
     from dlab import models
-    from dlab.theory import tensor as est
     from dlab.core.metrics import ActivationMeter
     from dlab.parallel.tensor.model import TensorParallelGPT
+    from dlab.theory import tensor as est
 
     opts = {"n_layer": 2, "d_model": 16, "n_head": 4, "seq_len": 8, "vocab_size": 32}
     model = TensorParallelGPT(models.build("gpt", opts, 0), comm, sp)

@@ -14,8 +14,8 @@ from helpers import assert_same_training, losses
 
 import dlab
 from dlab.core.config import ConfigError
-from dlab.theory.tensor import activation_bytes, local_params, step_bytes
 from dlab.models.gpt import GPTConfig
+from dlab.theory.tensor import activation_bytes, local_params, step_bytes
 
 # n_head=4 so the heads split over tp=4; d_ff=128, vocab 256 and seq_len 32 divide by 4 too.
 TP_GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",

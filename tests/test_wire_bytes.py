@@ -35,8 +35,8 @@ def backend_cases() -> dict:
     import torch
     import torch.distributed as dist
 
-    from dlab.comm.instrumented import Comm
     from dlab.comm import gloo as model
+    from dlab.comm.instrumented import Comm
 
     comm, n, r = Comm(), dist.get_world_size(), dist.get_rank()
     got = {}
@@ -86,10 +86,10 @@ def algorithm_cases() -> dict:
     """dlab's hand-written algorithms: their own count plus Gloo's framing, against the wire."""
     import torch
 
+    from dlab.comm import gloo as model
     from dlab.comm.algorithms import ALGORITHMS
     from dlab.comm.algorithms.collectives import all_gather, all_to_all, broadcast, reduce_scatter
     from dlab.comm.instrumented import Comm
-    from dlab.comm import gloo as model
 
     comm = Comm()
     n, got = comm.size, {}
@@ -127,9 +127,9 @@ def overlap_and_exclusion_cases(tmp: str) -> dict:
 
     import torch
 
+    from dlab.comm import gloo as model
     from dlab.comm.instrumented import Comm
     from dlab.comm.wire import meter
-    from dlab.comm import gloo as model
 
     comm = Comm()
     n, r, s = comm.size, comm.rank, 1 << 20

@@ -24,9 +24,9 @@ def whole_units_at_once(prefetch: bool) -> list[int]:
 
     from dlab import parallel
     from dlab.comm.instrumented import Comm
+    from dlab.core.events import Timeline
     from dlab.core.metrics import StoragePeak
     from dlab.parallel.base import Context
-    from dlab.core.events import Timeline
 
     cfg = RunConfig(strategy="zero3", world_size=dist.get_world_size(),
                     options={"prefetch": prefetch}, **UNEVEN)

@@ -21,15 +21,15 @@ import tempfile
 
 from dlab.bench import compared
 from dlab.bench.ddp import BATCH, MODEL
-from dlab.theory import local_sgd as est
 from dlab.models import model_config
+from dlab.procs.launch import launch
+from dlab.theory import local_sgd as est
 
 SYNC_EVERY = (1, 4, 16)
 
 
 def _measure(strategy: str, world_size: int, steps: int, runs_dir: str, **options) -> dict:
-    import dlab
-    run = dlab.launch(strategy, world_size, runs_dir=runs_dir, wait=True, steps=steps,
+    run = launch(strategy, world_size, runs_dir=runs_dir, wait=True, steps=steps,
                       batch_size=BATCH, model="gpt", model_options=MODEL, options=options)
     per_rank = [run.metrics(r) for r in range(world_size)]
     wire = [m["comm_by_op"].get("all_reduce", {}).get("wire_bytes") or 0 for m in per_rank[0]]

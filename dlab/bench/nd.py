@@ -31,11 +31,12 @@ import itertools
 import math
 import tempfile
 
+from dlab.analysis.steps import step_time
 from dlab.bench import compared
-from dlab.bench.hybrid import step_seconds
 from dlab.core.config import RunConfig
-from dlab.theory import nd
 from dlab.layout.layout import MESH_ORDER, Layout
+from dlab.procs.launch import launch
+from dlab.theory import nd
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
 BATCH = 8
@@ -102,27 +103,26 @@ def measure(run) -> dict:
 
 
 def run(quick: bool = False) -> list[dict]:
-    import dlab
 
     common = {"batch_size": BATCH, "steps": 3 if quick else 6}
     rows = []
     with tempfile.TemporaryDirectory() as runs_dir:
         for recompute in RECOMPUTE[:1] if quick else RECOMPUTE:
             model = {**MODEL, **recompute}
-            peer = dlab.launch("torch-tp", 4, runs_dir=runs_dir, wait=True, model_options=model,
+            peer = launch("torch-tp", 4, runs_dir=runs_dir, wait=True, model_options=model,
                                options={"tp": 2, "sequence_parallel": True, "fsdp": True}, **common)
-            mine = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, model_options=model,
+            mine = launch("nd", 4, runs_dir=runs_dir, wait=True, model_options=model,
                                options=PEER_LAYOUT, **common)
-            rows.append(compared(step_seconds(mine), step_seconds(peer), layout=label(PEER_LAYOUT),
+            rows.append(compared(step_time(mine), step_time(peer), layout=label(PEER_LAYOUT),
                                  ranks=4, recompute=recompute.get("recompute", "none"),
                                  metric="step_s", peer_name="torch-tp fsdp",
-                                 step_s=step_seconds(mine), **measure(mine)))
+                                 step_s=step_time(mine), **measure(mine)))
         grid = [(4, o) for o in QUICK] if quick else [(w, o) for w in (4, 8) for o in layouts(w)]
         for world, options in grid:
             if not runnable(world, options):
                 continue
-            mine = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
+            mine = launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
                                options=options, **common)
             rows.append({"layout": label(options), "ranks": world, "recompute": "none",
-                         "step_s": step_seconds(mine), **measure(mine)})
+                         "step_s": step_time(mine), **measure(mine)})
     return rows

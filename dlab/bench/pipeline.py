@@ -29,7 +29,18 @@ from __future__ import annotations
 import statistics
 import tempfile
 
+from dlab import models
+from dlab.analysis.steps import step_time
 from dlab.bench import compared
+from dlab.core.config import RunConfig
+from dlab.layout import schedules
+from dlab.layout.stages import partition
+from dlab.models.data import make_data
+from dlab.parallel.pipeline.split import StageModule, param_costs
+from dlab.procs.launch import launch
+from dlab.procs.spawn import spawn
+from dlab.theory import pipeline as est
+from dlab.theory.simulate import bubble, bubble_of_ops, gantt, replay
 
 MODEL = {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 128}
 STEPS = 4
@@ -64,13 +75,11 @@ def _v(name: str) -> int:
 def measure(name: str, p: int, m: int, runs_dir: str, recv_ahead: int | None = None) -> dict:
     """One dlab run: bubble, the timeline (steps after the first), activation peaks per rank,
     median step time. ``recv_ahead`` None: the strategy's default."""
-    import dlab
-    from dlab.theory.simulate import bubble
 
     options = {"microbatches": m} if name != "naive" else {}
     if recv_ahead is not None:
         options["recv_ahead"] = recv_ahead
-    run = dlab.launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=STEPS,
+    run = launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=STEPS,
                       batch_size=m, model="gpt", model_options=MODEL, options=options)
     events = [e for e in run.timeline() if "stage" in e and e["step"] > 0]
     metrics = [run.metrics(r) for r in range(p)]
@@ -78,15 +87,11 @@ def measure(name: str, p: int, m: int, runs_dir: str, recv_ahead: int | None = N
         "bubble": bubble(events, ranks=p),
         "events": events,
         "activations": [max(x["memory"]["activations"] for x in ms) for ms in metrics],
-        "step_s": statistics.median(x["step_time"] for x in metrics[0][1:]),
+        "step_s": step_time(run),
     }
 
 
 def run(quick: bool = False) -> list[dict]:
-    from dlab import spawn
-    from dlab.theory import pipeline as est
-    from dlab.layout import schedules
-    from dlab.theory.simulate import bubble, bubble_of_ops, replay
 
     rows, unit = [], {}
     with tempfile.TemporaryDirectory() as runs_dir:
@@ -139,11 +144,6 @@ def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int)
     import torch.distributed as dist
     import torch.distributed.pipelining as pipelining
 
-    from dlab import models
-    from dlab.core.config import RunConfig
-    from dlab.models.data import make_data
-    from dlab.layout.stages import partition
-    from dlab.parallel.pipeline.split import StageModule, param_costs
 
     rank = dist.get_rank()
     v = _v(name)
@@ -197,12 +197,9 @@ def save_gantt(path: str = "docs/pipeline_gantt.png", name: str = "1f1b", p: int
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    import dlab
-    from dlab.layout import schedules
-    from dlab.theory.simulate import bubble, gantt, replay
 
     with tempfile.TemporaryDirectory() as runs_dir:
-        run = dlab.launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=3,
+        run = launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=3,
                           batch_size=m, model="gpt", model_options=MODEL,
                           options={"microbatches": m})
         events = [e for e in run.timeline() if "stage" in e and e["step"] == 2]

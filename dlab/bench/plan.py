@@ -23,13 +23,14 @@ from __future__ import annotations
 import statistics
 import tempfile
 
-from dlab.bench.hybrid import step_seconds
+from dlab.analysis.steps import step_time
 from dlab.bench.nd import BATCH, MODEL, QUICK, label, layouts, measure, runnable
 from dlab.models.gpt import GPTConfig
+from dlab.procs.launch import launch
 from dlab.theory.plan import plan
-from dlab.tools import calibrate
 from dlab.theory.plan.layout import PlanLayout
 from dlab.theory.plan.spec import from_gpt
+from dlab.tools import calibrate
 
 PAYLOAD = 256 << 10
 STEPS, WARMUP = 12, 4
@@ -58,7 +59,6 @@ def predict(options: dict, machine, recompute: str = "none") -> dict:
 
 
 def run(quick: bool = False) -> list[dict]:
-    import dlab
 
     cfg = GPTConfig(**MODEL)
     worlds = (4,) if quick else (4, 8)
@@ -78,9 +78,9 @@ def run(quick: bool = False) -> list[dict]:
         for world, options in grid:
             if not runnable(world, options):
                 continue
-            run_ = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
+            run_ = launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
                                options=options, batch_size=BATCH, steps=STEPS)
-            measured, got = step_seconds(run_, WARMUP), measure(run_)
+            measured, got = step_time(run_, WARMUP), measure(run_)
             pred = predict(options, machines[world])
             rows.append({"layout": label(options), "ranks": world, "metric": "step_s",
                          "dlab": pred["step_model_s"], "peer": measured,

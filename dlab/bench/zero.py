@@ -31,9 +31,11 @@ from __future__ import annotations
 import tempfile
 
 from dlab import models
+from dlab.analysis.steps import step_time
 from dlab.bench import compared, median
-from dlab.comm.wire import NOT_MEASURABLE
 from dlab.comm.gloo import gloo_all_reduce_bytes
+from dlab.comm.wire import NOT_MEASURABLE
+from dlab.procs.launch import launch
 from dlab.theory.memory import (
     ddp_memory,
     model_units,
@@ -42,7 +44,6 @@ from dlab.theory.memory import (
     zero_memory,
     zero_wire_bytes,
 )
-from dlab.procs.launch import launch
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64}
 MiB = 2 ** 20
@@ -96,7 +97,7 @@ def _measure(strategy: str, n: int, steps: int, root, reduce_scatter: str = "") 
                 (zero_wire_bytes(model_units("gpt", MODEL), n, 0, STAGE[strategy], reduce_scatter,
                                  mixed_precision=True) + gloo_all_reduce_bytes(4, n, 0)) / 1e6
                 if reduce_scatter else ""),
-            "step_s": median([m["step_time"] for m in ms[1:]])}
+            "step_s": step_time(run)}
 
 
 def _wire(ms: list[dict]):

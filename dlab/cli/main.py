@@ -8,7 +8,17 @@ import signal
 import sys
 from pathlib import Path
 
+from dlab import parallel
+from dlab.analysis.diagnose import RunFailed
+from dlab.bench import run_bench
+from dlab.cli import plan as plan_cli
+from dlab.cli.env import format_report, report
 from dlab.core.config import ConfigError, add_arguments, from_args
+from dlab.models.corpus import make_corpus
+from dlab.models.data import CORPUS
+from dlab.procs.launch import launch
+from dlab.tools.check import main as check
+from dlab.tools.jupyter import main as lab
 
 
 class Interrupted(KeyboardInterrupt):
@@ -39,8 +49,6 @@ def _check_json_path(path: str | None) -> None:
 
 
 def _run(args) -> int:
-    from dlab.analysis.diagnose import RunFailed
-    from dlab.procs.launch import launch
     cfg = from_args(args)
     _check_json_path(args.json)
     # A terminal's Ctrl-C, coreutils' timeout (SIGTERM), Slurm's cancel (SIGTERM) and a closed
@@ -67,31 +75,26 @@ def _run(args) -> int:
 
 
 def _bench(args) -> int:
-    from dlab.bench import run_bench
     return run_bench(args.name, args.json, args.quick)
 
 
 def _check(args) -> int:
-    from dlab.tools.check import main as check
     return check([*(["--quick"] if args.quick else []), *(["--json", args.json] if args.json else []),
                   *(["--strategies", args.strategies] if args.strategies else []),
                   "--runs-dir", args.runs_dir])
 
 
 def _env(args) -> int:
-    from dlab.cli.env import format_report, report
     info = report(measure=not args.no_measure, ranks=tuple(args.ranks))
     print(json.dumps(info, indent=1) if args.json else format_report(info))
     return 0
 
 
 def _lab(args) -> int:
-    from dlab.tools.jupyter import main as lab
     return lab(args.port, args.ip, args.jupyter_args)
 
 
 def _strategies(args) -> int:
-    from dlab import parallel
     for name in parallel.names():
         strategy = parallel.get(name)
         doc = " ".join((strategy.__doc__ or "").split("\n\n")[0].split())
@@ -102,22 +105,10 @@ def _strategies(args) -> int:
 
 
 def _corpus(args) -> int:
-    from dlab.models.corpus import make_corpus
-    from dlab.models.data import CORPUS
     CORPUS.parent.mkdir(exist_ok=True)
     CORPUS.write_text(make_corpus())
     print(f"wrote {CORPUS}")
     return 0
-
-
-def _plan_arguments(p) -> None:
-    from dlab.cli.plan import add_arguments as plan_arguments
-    plan_arguments(p)
-
-
-def _plan(args) -> int:
-    from dlab.cli.plan import run
-    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     lab.set_defaults(func=_lab)
     pl = sub.add_parser("plan", help="predict memory, step time and MFU of layouts at any scale; "
                                      "rank them")
-    _plan_arguments(pl)
-    pl.set_defaults(func=_plan)
+    plan_cli.add_arguments(pl)
+    pl.set_defaults(func=plan_cli.run)
     sub.add_parser("strategies", help="list the registered strategies").set_defaults(func=_strategies)
     sub.add_parser("corpus", help="write data/corpus.txt again").set_defaults(func=_corpus)
     args = p.parse_args(argv)

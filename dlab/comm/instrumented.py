@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dlab.comm.wire import OVERLAPPED, meter
 from dlab.comm import gloo as model
+from dlab.comm.algorithms.collectives import reduce_scatter
+from dlab.comm.wire import OVERLAPPED, meter
 
 REDUCE_SCATTER_ALGORITHMS = ("backend", "ring")
 
@@ -210,8 +211,6 @@ class Comm:
                          async_op, model.gloo_reduce_scatter_bytes(s, n, self.rank, t.element_size()))
 
     def _ring_reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op, async_op: bool):
-        from dlab.comm.algorithms.collectives import reduce_scatter
-
         self.run_algorithm("reduce_scatter", nbytes(t),
                            lambda: reduce_scatter(out, t, group=self.group, op=op))
         return _Done() if async_op else None

@@ -142,7 +142,7 @@ class Layout:
         return schedules.build(self.schedule, self.pp, self.microbatches, self.virtual_stages)
 
     def n_stages(self) -> int:
-        return self.pipeline().n_stages
+        return schedules.n_stages(self.schedule, self.pp, self.virtual_stages)
 
     def head_split(self) -> int:
         """Over how many ranks attention splits the heads: cp for Ulysses, the Ulysses group
@@ -202,8 +202,8 @@ class Layout:
     def _tensor_problems(self, model: Shape, lab: bool) -> list[str]:
         t, out = self.tp, []
         if model.n_head % t:
-            out.append(f"model option n_head={model.n_head} is not divisible by tp={t} (attention "
-                       f"is split by heads); use a multiple of {t} or another tp")
+            out.append(f"tp={t} must divide the model's {model.n_head} heads (attention is split "
+                       f"by heads): use a tp that divides n_head={model.n_head}")
         elif model.n_kv_head % t and t % model.n_kv_head:
             out.append(f"tp={t} must divide the {model.n_kv_head} key-value heads or be a "
                        f"multiple of them")
@@ -263,16 +263,14 @@ class Layout:
 
     def _pipeline_problems(self, model: Shape, lab: bool) -> list[str]:
         out = []
-        if self.schedule not in SCHEDULES:
-            return [f"schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}"]
+        found = schedules.problems(self.schedule, self.pp, self.microbatches, self.virtual_stages)
+        if found:
+            return found
         if lab and self.tp > 1 and self.schedule in ("zb-h1", "zbv"):
             out.append(f"{self.schedule} splits the backward of nn.Linear layers, and the "
                        f"tensor-parallel layers are not split here: use tp=1, or gpipe, 1f1b or "
                        f"interleaved with tp")
-        try:
-            n = self.n_stages()
-        except ValueError as e:
-            return out + [str(e)]
+        n = self.n_stages()
         if model.n_layer < n:
             out.append(f"{self.schedule} on pp={self.pp} has {n} stages but the model has "
                        f"n_layer={model.n_layer} blocks; use n_layer >= {n} or a smaller pp")

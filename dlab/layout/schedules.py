@@ -111,9 +111,39 @@ def _plain(p: int) -> tuple[int, ...]:
     return tuple(range(p))
 
 
-def _check(p: int, m: int) -> None:
+def problems(name: str, p: int, m: int, v: int = 1) -> list[str]:
+    """What stops schedule ``name`` on ``p`` pipeline ranks with ``m`` micro-batches and ``v``
+    stages per rank, each saying what to change: the one statement of the schedules' rules
+    (``build`` refuses what it lists; ``dlab.layout.Layout`` asks it without building)."""
+    if name not in SCHEDULES:
+        return [f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}"]
     if p < 1 or m < 1:
-        raise ValueError(f"a pipeline needs p >= 1 stages and m >= 1 micro-batches (got p={p}, m={m})")
+        return [f"a pipeline needs p >= 1 stages and m >= 1 micro-batches (got p={p}, m={m})"]
+    if v < 1:
+        return [f"virtual_stages must be >= 1 (got {v})"]
+    if name == "naive" and m != 1:
+        return [f"the naive pipeline runs the whole batch at once (m=1), not m={m}; use gpipe or "
+                f"1f1b for micro-batches"]
+    if v > 1 and name not in ("interleaved", "zbv"):
+        return [f"virtual_stages={v} needs the interleaved or zbv schedule; {name} places one "
+                f"stage per rank"]
+    if name == "interleaved" and m % p:
+        return [f"interleaved 1F1B sends micro-batches in groups of p={p}: microbatches={m} must "
+                f"be a multiple of {p}"]
+    if name == "zbv" and v != 2:
+        return [f"the V schedule places exactly 2 stages per rank (virtual_stages=2), not {v}"]
+    return []
+
+
+def n_stages(name: str, p: int, v: int = 1) -> int:
+    """How many pieces the schedule cuts the model into: p, or v per rank (interleaved, V)."""
+    return p * v if name in ("interleaved", "zbv") else p
+
+
+def _check(name: str, p: int, m: int, v: int) -> None:
+    found = problems(name, p, m, v)
+    if found:
+        raise ValueError(found[0])
 
 
 # --- the schedules ------------------------------------------------------------------------------
@@ -121,7 +151,7 @@ def _check(p: int, m: int) -> None:
 def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     """GPipe (Huang et al. 2019): every forward, then every backward. Each rank holds the
     activations of all m micro-batches at the turn; bubble (p-1)/(m+p-1)."""
-    _check(p, m)
+    _check("gpipe", p, m, v)
     orders = [[F(r, i) for i in range(m)] + [B(r, i) for i in range(m)] for r in range(p)]
     return Schedule("gpipe", p, m, p, _plain(p), _with_comms(orders, _plain(p)))
 
@@ -129,9 +159,7 @@ def gpipe(p: int, m: int, v: int = 1) -> Schedule:
 def naive(p: int, m: int = 1, v: int = 1) -> Schedule:
     """Model parallelism without micro-batches: one batch goes down the stages and back, so at
     any moment one rank works and p-1 wait; bubble (p-1)/p."""
-    if m != 1:
-        raise ValueError(f"the naive pipeline runs the whole batch at once (m=1), not m={m}; "
-                         f"use gpipe or 1f1b for micro-batches")
+    _check("naive", p, m, v)
     s = gpipe(p, 1)
     s.name = "naive"
     return s
@@ -141,7 +169,7 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
     """1F1B, PipeDream-Flush (Narayanan et al. 2021): rank r runs p-r-1 warm-up forwards, then
     alternates one forward and one backward, then drains the backwards. Same bubble as GPipe,
     but rank r holds at most min(p-r, m) micro-batches of activations instead of m."""
-    _check(p, m)
+    _check("1f1b", p, m, v)
     orders = []
     for r in range(p):
         warm = min(p - r - 1, m)
@@ -158,12 +186,7 @@ def interleaved(p: int, m: int, v: int = 2) -> Schedule:
     model chunks (stage s on rank s mod p). Micro-batches go through a rank's chunks in groups
     of p, so a stage's work is 1/v as long and the bubble shrinks by v: (p-1)/(v m + p - 1).
     Needs m a multiple of p."""
-    _check(p, m)
-    if v < 1:
-        raise ValueError(f"virtual_stages must be >= 1 (got {v})")
-    if m % p:
-        raise ValueError(f"interleaved 1F1B sends micro-batches in groups of p={p}: "
-                         f"microbatches={m} must be a multiple of {p}")
+    _check("interleaved", p, m, v)
     n = p * v
     placement = tuple(s % p for s in range(n))
     total = m * v
@@ -260,7 +283,7 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     for). Full activations stay bounded as in 1F1B (rank r: p-r micro-batches before their B);
     up to p-1 more micro-batches may wait for their W, and moving W's into the drain cuts the
     bubble from (p-1)(t_F+t_B+t_W) to (p-1)(t_F+t_B-t_W)."""
-    _check(p, m)
+    _check("zb-h1", p, m, v)
     placement = _plain(p)
     orders = _list_schedule(p, m, placement, [p - r for r in range(p)],
                             [2 * p - r - 1 for r in range(p)])
@@ -274,9 +297,7 @@ def zbv(p: int, m: int, v: int = 2) -> Schedule:
     turn of the V costs no communication. Full activations bounded by 1F1B's peak (2p
     half-size chunks = p micro-batches per rank), up to p more chunks may wait for their W.
     Once m >= 2p the only idle time left is the pipeline's fill: (p-1) half-stage forwards."""
-    _check(p, m)
-    if v != 2:
-        raise ValueError(f"the V schedule places exactly 2 stages per rank (virtual_stages=2), not {v}")
+    _check("zbv", p, m, v)
     placement = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     orders = _list_schedule(p, m, placement, [2 * p] * p, [3 * p] * p)
     return Schedule("zbv", p, m, 2 * p, placement, _with_comms(orders, placement),
@@ -288,8 +309,8 @@ SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b,
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    """The action lists of schedule ``name`` (``v=1`` for the V schedule means its 2)."""
     if name == "zbv" and v == 1:
         v = 2
+    _check(name, p, m, v)
     return SCHEDULES[name](p, m, v)

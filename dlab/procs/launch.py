@@ -20,7 +20,6 @@ from dlab.core.config import ConfigError, RunConfig
 from dlab.core.rundir import RunDir, write_json
 from dlab.procs.process import binds_its_port, free_port, kill_tree, spawn_tied_to_this_process, worker_env
 from dlab.procs.run import Run, track
-from dlab.ui.dashboard import watch
 from dlab.worker.validate import validate
 
 
@@ -43,6 +42,8 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
     run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
                          threads=cfg.threads_per_rank, max_restarts=cfg.max_restarts)
     if dashboard:
+        from dlab.ui.dashboard import watch  # ipywidgets, a lab extra: loaded for a dashboard only
+
         watch(run, timeout=timeout)
     elif wait:
         run.wait(timeout=timeout, progress=progress)

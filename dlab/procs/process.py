@@ -23,6 +23,7 @@ import psutil
 
 from dlab.core.machine import measure_cpu_peak_flops
 
+
 def free_port() -> int:
     """A port nobody listens on now. The OS hands out ephemeral ports in turn, so two runs
     asking within the same millisecond still get different ones."""

@@ -18,10 +18,17 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlphaBeta:
+    """A link: ``alpha`` seconds per message (a ring step), ``beta`` seconds per byte. The one
+    link type of the lab's fits and of the planner's clusters."""
     alpha: float  # seconds per message
     beta: float  # seconds per byte
+
+    @classmethod
+    def link(cls, bandwidth: float, alpha: float) -> AlphaBeta:
+        """A link of ``bandwidth`` bytes per second and ``alpha`` seconds per message."""
+        return cls(alpha, 1.0 / bandwidth)
 
     def time(self, nbytes: float, messages: float = 1.0) -> float:
         return messages * self.alpha + nbytes * self.beta
@@ -50,8 +57,15 @@ def fit_alpha_beta(sizes: list[float], seconds: list[float], steps: float = 1.0,
 
 
 def ring_allreduce_time(nbytes: float, world_size: int, link: AlphaBeta) -> float:
+    """The ring all-reduce of ``nbytes``: 2 (N-1) steps of S/N bytes."""
     n = world_size
     return link.time(2 * (n - 1) / n * nbytes, messages=2 * (n - 1)) if n > 1 else 0.0
+
+
+def ring_gather_time(nbytes: float, world_size: int, link: AlphaBeta) -> float:
+    """The ring all-gather (or reduce-scatter) whose whole buffer is ``nbytes``: N-1 steps."""
+    n = world_size
+    return link.time((n - 1) / n * nbytes, messages=n - 1) if n > 1 else 0.0
 
 
 def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:

@@ -19,9 +19,9 @@ copy of a tied matrix) on the last, as ``estimate.tensor`` counts them.
 """
 from __future__ import annotations
 
+from dlab.models.gpt import GPTConfig
 from dlab.theory import tensor
 from dlab.theory.tensor import FP32, _config
-from dlab.models.gpt import GPTConfig
 
 
 def stage_params(model_options: dict | GPTConfig, tp: int, blocks: int, first: bool,

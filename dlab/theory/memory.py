@@ -36,13 +36,16 @@ def _check_stage(stage: int) -> None:
         raise ValueError(f"stage must be one of {STAGES} (0 is plain data parallelism), got {stage!r}")
 
 
-def paper_memory(psi: float, world_size: int, stage: int, k: float = 12, weight_bytes: float = 2
-                 ) -> dict[str, float]:
-    """Bytes per rank by category, the ZeRO paper's accounting (no padding, no counters)."""
+def paper_memory(psi: float, world_size: int, stage: int, k: float = 12, weight_bytes: float = 2,
+                 grad_bytes: float | None = None) -> dict[str, float]:
+    """Bytes per rank by category, the ZeRO paper's accounting (no padding, no counters):
+    stage >= 1 divides the optimizer state by N, >= 2 the gradients too, 3 the weights too.
+    ``grad_bytes`` defaults to ``weight_bytes`` (Megatron's fp32 gradient buffer: 4)."""
     _check_stage(stage)
     n = world_size
+    g = weight_bytes if grad_bytes is None else grad_bytes
     return {"parameters": weight_bytes * psi / (n if stage >= 3 else 1),
-            "gradients": weight_bytes * psi / (n if stage >= 2 else 1),
+            "gradients": g * psi / (n if stage >= 2 else 1),
             "optimizer": k * psi / (n if stage >= 1 else 1)}
 
 

@@ -54,14 +54,14 @@ import dataclasses
 
 import torch
 
+from dlab.layout import schedules
+from dlab.layout.layout import Layout
+from dlab.layout.stages import partition
+from dlab.models import MODELS
+from dlab.models import recompute as rc
 from dlab.theory import activations as act
 from dlab.theory import context, tensor
 from dlab.theory.memory import padded
-from dlab.models import MODELS
-from dlab.models import recompute as rc
-from dlab.layout.layout import Layout
-from dlab.layout import schedules
-from dlab.layout.stages import partition
 
 FP32 = 4
 

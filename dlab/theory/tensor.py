@@ -34,8 +34,8 @@ no s x s matrix, so ``activation_bytes`` counts its saved tensors the same way, 
 """
 from __future__ import annotations
 
-from dlab.theory import activations
 from dlab.models.gpt import GPTConfig
+from dlab.theory import activations
 
 FP32 = 4
 

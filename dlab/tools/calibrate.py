@@ -30,8 +30,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import dlab
+from dlab.comm.instrumented import Comm
 from dlab.core.machine import usable_cores
+from dlab.models.gpt import GPT
+from dlab.parallel.context.attention import Ring, ring_attention
+from dlab.procs.spawn import spawn
 from dlab.theory.plan import cluster as clusters
 
 
@@ -51,7 +54,6 @@ def _cpu_seconds(fn, repeats: int, clock=time.process_time) -> float:
 def _gpt_step(cfg, batch: int):
     import torch
 
-    from dlab.models.gpt import GPT
     torch.manual_seed(0)
     model = GPT(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
@@ -69,7 +71,6 @@ def _ring_tiles(cfg, b: int, heads: int, k: int):
 
     import torch
 
-    from dlab.parallel.context.attention import Ring, ring_attention
     chunks = torch.cat([torch.arange(k), torch.arange(2 * k, 3 * k)])
     ring = Ring(types.SimpleNamespace(rank=0, size=1), [chunks])
     q, key, v = (torch.randn(b, heads, 2 * k, cfg.d_model // cfg.n_head, requires_grad=True)
@@ -131,7 +132,7 @@ def compute(cfg, world: int = 1, runs_dir: str = "runs") -> tuple[float, float, 
         rate, fixed, tile, per_element = _costs(cfg)
     else:
         rate, fixed, tile, per_element = (statistics.fmean(col) for col in
-                                          zip(*dlab.spawn(_costs, world, cfg, runs_dir=runs_dir)))
+                                          zip(*spawn(_costs, world, cfg, runs_dir=runs_dir)))
     return rate, fixed, (tile, per_element)
 
 
@@ -193,7 +194,6 @@ def _collective_rounds(repeats: int, work: int, trials_: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dlab.comm.instrumented import Comm
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     a = torch.randn(128, 128) / 128
@@ -252,7 +252,7 @@ def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int 
     cores = usable_cores()
     shared = world > cores
     alone = _work_seconds(work, time.process_time if shared else time.perf_counter)
-    per_rank = dlab.spawn(_collective_rounds, world, repeats, work, trials, runs_dir=runs_dir)
+    per_rank = spawn(_collective_rounds, world, repeats, work, trials, runs_dir=runs_dir)
     small, large = PROBE_SIZES
     rows, fills = [], []
     rounds = {}

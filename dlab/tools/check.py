@@ -31,14 +31,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dlab import parallel
+from dlab.analysis.diagnose import RunFailed
+from dlab.analysis.tables import format_rows
+from dlab.comm.algorithms import ALGORITHMS
+from dlab.core.config import RunConfig
+from dlab.procs.launch import launch
+from dlab.procs.spawn import spawn
+from dlab.theory.comm import bus_bandwidth as busbw
+
 GPT = {"n_layer": 4, "d_model": 32, "n_head": 4, "seq_len": 32}
 MOE = {**GPT, "n_expert": 4, "top_k": 2}
 BASE = {"batch_size": 8, "steps": 3, "optimizer": "sgd", "save_final": True}
-QUICK = ("torch-ddp", "ddp", "zero3", "pipeline-1f1b", "tp", "cp", "ep")
+QUICK = ("torch-ddp", "ddp", "zero3", "pipeline-1f1b", "tp", "cp", "ep", "nd")
 #: options a strategy needs for its run to be comparable with ``single``
 OPTIONS = {"ps-async": {"max_staleness": 0},  # unbounded staleness differs from single by design
            "ps-backup": {"backup": 0},  # dropping gradients does too; b = 0 is ps-sync
-           "local-sgd": {"sync_every": 1}, "torch-local-sgd": {"sync_every": 1}}  # H = 1 is DDP
+           "local-sgd": {"sync_every": 1}, "torch-local-sgd": {"sync_every": 1},  # H = 1 is DDP
+           "nd": {"pp": 2, "zero": 1}}  # a composition: two stages, ZeRO-1 over what dp is left
 #: strategies no option makes equal to ``single``, each with what checks it instead
 NOT_SINGLE = {"ps-downpour": "it steps on each gradient alone, on stale weights: not single's "
                              "update by design (tests/test_downpour.py replays its own rule)"}
@@ -95,19 +105,12 @@ def compare(got: dict, want: dict, got_losses: list[float], want_losses: list[fl
 
 
 def formula_bytes(case: Case, rank: int = 0) -> int | None:
-    """Model-state bytes (parameters + gradients + optimizer) the formulas of ``dlab.theory``
-    predict for this rank, where they cover the strategy (replicas and ZeRO); else None."""
-    from dlab import models
-    from dlab.theory.memory import ddp_memory, model_units, zero_memory
-    cfg = case.config()
-    if case.strategy in ("single", "torch-ddp", "ddp", "dp-naive"):
-        numels = [p.numel() for p in models.build(cfg["model"], cfg["model_options"], 0).parameters()]
-        return sum(ddp_memory(numels, cfg["optimizer"]).values())
-    if case.strategy in ("zero1", "zero2", "zero3"):
-        mem = zero_memory(model_units(cfg["model"], cfg["model_options"]), case.world_size,
-                          int(case.strategy[-1]), optimizer=cfg["optimizer"], rank=rank)
-        return mem["parameters"] + mem["gradients"] + mem["optimizer"]
-    return None
+    """Model-state bytes (parameters + gradients + optimizer) the strategy's own theory predicts
+    for this rank (``Strategy.predicted_state``, the formulas of ``dlab.theory``); None where
+    it states none."""
+    cfg = RunConfig(strategy=case.strategy, world_size=case.world_size, **case.config())
+    state = parallel.get(case.strategy).predicted_state(cfg, rank)
+    return None if state is None else sum(state.values())
 
 
 def failure(case: Case, error: Exception) -> dict:
@@ -135,9 +138,6 @@ def _losses(run) -> list[float]:
 
 
 def check_case(case: Case, references: dict, runs_dir: str) -> dict:
-    import dlab
-    from dlab.core.config import RunConfig
-    from dlab.analysis.diagnose import RunFailed
     row = {"strategy": case.strategy, "ranks": case.world_size, "backend": case.backend,
            "device": case.device}
     problems = RunConfig(strategy=case.strategy, world_size=case.world_size, **case.config()).problems()
@@ -146,10 +146,10 @@ def check_case(case: Case, references: dict, runs_dir: str) -> dict:
     key = (case.device, json.dumps(case.config()["model_options"], sort_keys=True))
     if key not in references:
         ref_cfg = {**case.config(), "backend": "auto" if case.device == "cpu" else "nccl", "options": {}}
-        references[key] = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, **ref_cfg)
+        references[key] = launch("single", 1, runs_dir=runs_dir, wait=True, **ref_cfg)
     ref = references[key]
     try:
-        run = dlab.launch(case.strategy, case.world_size, runs_dir=runs_dir, wait=True, **case.config())
+        run = launch(case.strategy, case.world_size, runs_dir=runs_dir, wait=True, **case.config())
     except RunFailed as e:
         return {**row, **failure(case, e)}
     diff = compare(_final(run), _final(ref), _losses(run), _losses(ref))
@@ -171,8 +171,6 @@ def bus_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict]:
 
     import torch.distributed as dist
 
-    from dlab.comm.algorithms import ALGORITHMS
-    from dlab.theory.comm import bus_bandwidth as busbw
     n, backend = dist.get_world_size(), dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     rows = []
@@ -198,9 +196,6 @@ def bus_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict]:
 
 def run_check(quick: bool, runs_dir: str = "runs/check", strategies: list[str] | None = None
               ) -> tuple[str, list[dict], list[dict]]:
-    import dlab
-    from dlab import parallel  # the ranks import bus_bandwidth by its module's name
-    from dlab.tools import check
     gpus = gpu_count()
     names = strategies or (list(QUICK) if quick else [n for n in parallel.names()
                                                         if n != "single" and n not in NOT_SINGLE])
@@ -208,13 +203,12 @@ def run_check(quick: bool, runs_dir: str = "runs/check", strategies: list[str] |
              "no GPU found: every check runs on Gloo/CPU")
     references: dict = {}
     rows = [check_case(c, references, runs_dir) for c in plan(names, gpus, quick)]
-    bus = dlab.spawn(check.bus_bandwidth, 2, BUS_SIZES[:1] if quick else BUS_SIZES, 3 if quick else 10,
+    bus = spawn(bus_bandwidth, 2, BUS_SIZES[:1] if quick else BUS_SIZES, 3 if quick else 10,
                      runs_dir=runs_dir, timeout_s=300)[0]
     return where, rows, bus
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dlab.bench import format_rows
     p = argparse.ArgumentParser(prog="python -m dlab check", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one strategy per family, 2 ranks")
     p.add_argument("--json", help="write the rows to this file")
@@ -223,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     strategies = None
     if args.strategies:
-        from dlab import parallel
         strategies = [n.strip() for n in args.strategies.split(",") if n.strip()]
         unknown = [n for n in strategies if n not in parallel.names() or n == "single"]
         if unknown:

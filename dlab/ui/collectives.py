@@ -1,9 +1,10 @@
 """Pictures of what each collective moves where (notebook 01): every rank's chunks before and
-after the operation, coloured by the rank they came from. Part of ``dlab.ui.plots`` (re-exported
-there); a file of its own because it draws no run."""
+after the operation, coloured by the rank they came from."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from dlab.ui.figure import new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -58,8 +59,6 @@ def collective_diagram(op: str, world_size: int = 4) -> Figure:
         raise ValueError(f"unknown collective {op!r}; pick one of {COLLECTIVES}")
     palette = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
                "#8c8c8c"]
-    from dlab.ui.plots import new_figure  # the one figure factory (Figure without pyplot)
-
     fig = new_figure(figsize=(7, 0.5 + 0.45 * world_size))
     axes = fig.subplots(1, 2)
     for ax, after in zip(axes, (False, True), strict=True):

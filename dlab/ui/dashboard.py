@@ -31,8 +31,9 @@ import time
 import ipywidgets as widgets
 from IPython.display import display
 
-from dlab.ui.plots import as_run, draw_run, is_pipeline, new_figure, png
 from dlab.core.rundir import JsonlTail
+from dlab.ui.figure import new_figure, png
+from dlab.ui.plots import as_run, draw_run, is_pipeline
 
 STATE_COLORS = {"running": "#1f77b4", "ok": "#2ca02c", "failed": "#d62728", "stopped": "#ff7f0e",
                 "timeout": "#d62728", "interrupted": "#ff7f0e", "lost": "#7f7f7f"}

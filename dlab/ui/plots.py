@@ -1,68 +1,35 @@
 """Static figures of runs, read from their run directories: the dashboard's panels, ``plot``
-for one run after the fact, ``compare`` for several side by side, and ``collective_diagram``
-for what a collective moves where.
-
-Every function returns a ``matplotlib.figure.Figure`` that is not registered with pyplot, so a
-notebook shows it once (as the cell's value) and never twice, and nothing leaks between cells.
+for one run after the fact, ``compare`` for several side by side. Every function returns a
+figure of ``dlab.ui.figure`` (outside pyplot: shown once, as the cell's value).
 
 Definitions are those of ``dlab.analysis.summary``: step time and tokens/s are medians over the steps
 after the first; memory is each category's peak; bytes are what a rank sent per step, counted
 two ways and named apart: "model (ring)" is ``Comm``'s count of the bandwidth-optimal algorithm
 (``sent_bytes``), "measured (wire)" what the transport wrote (``wire_bytes``, where a run has it).
 
-Theory beside measurement: from the run's config, the memory bars set the model state that
-``dlab.theory.memory`` predicts beside the measured one, and the bubble panel sets the
-schedule's closed form (``dlab.theory.pipeline``) and its replay on paper with the run's op
-times (``dlab.theory.simulate``) beside the measured bubble; each is labelled
-"(model)".
-Bubble fraction follows the pipeline papers (GPipe, Huang et al. 2019; 1F1B, Narayanan et al.
-2019): for one step, the window runs from the first compute event on any rank to the last one;
-a rank's bubble is the part of that window in which it computes nothing.
+Theory beside measurement, asked of the run's strategy (``dlab.ui.theory``): the memory bars set
+the model state the strategy predicts beside the measured one, and for a run that pipelines
+(``pipeline-*``, ``nd`` with pp > 1) the bubble panel sets the schedule's closed form
+(``dlab.theory.pipeline``) and its replay on paper with the run's op times
+(``dlab.theory.simulate``) beside the measured bubble (``dlab.core.events.bubble_fractions``);
+each is labelled "(model)".
 """
 from __future__ import annotations
 
-import functools
-import io
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dlab.analysis.reader import open_run
+from dlab.core.events import COMPUTE, bubble_fractions
 from dlab.core.metrics import CATEGORIES
-from dlab.ui.collectives import COLLECTIVES, collective_diagram  # noqa: F401 - part of dlab.ui.plots
-from dlab.ui.theory import PipelineLayout, bubble_formula, model_state, pipeline_layout
-from dlab.core.events import busy_fraction
+from dlab.theory.simulate import replay, replay_ops
+from dlab.ui.figure import CATEGORY_COLORS, MiB, new_figure, style
+from dlab.ui.gantt import gantt
+from dlab.ui.theory import PipelineView, bubble_formula, model_state, pipeline_view
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-
-MiB = 2 ** 20
-COMPUTE = ("forward", "backward", "weight_grad")
-CATEGORY_COLORS = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True))
-KIND_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "weight_grad": "#e5ae38",
-               "send": "#8c8c8c", "recv": "#b5b5b5", "optimizer": "#55a868",
-               "all_reduce": "#c44e52", "all_gather": "#8172b3", "reduce_scatter": "#937860"}
-
-
-@functools.cache
-def _figure_class():
-    from matplotlib.figure import Figure
-
-    class ShownFigure(Figure):
-        """A Figure that a notebook shows as a PNG even where no pyplot backend registered a
-        display formatter (a figure made outside pyplot otherwise prints as ``<Figure ...>``)."""
-
-        def _repr_png_(self) -> bytes:
-            return png(self, dpi=90)
-
-    return ShownFigure
-
-
-def new_figure(**kwargs) -> Figure:
-    """matplotlib is imported here, on the first figure, not with ``dlab``: ranks import dlab
-    and never draw, and the lab extras (matplotlib, ipywidgets) are optional."""
-    return _figure_class()(layout="constrained", **kwargs)
 
 
 # --- reading --------------------------------------------------------------------------------
@@ -76,29 +43,6 @@ def as_run(run):
 def run_label(run) -> str:
     cfg = run.config
     return cfg.get("name") or f"{cfg.get('strategy', '?')} x{cfg.get('world_size', '?')}"
-
-
-def bubble_fractions(events: list[dict]) -> dict[int, float]:
-    """Mean bubble fraction per rank over the steps after the first (all steps if only one).
-
-    ``events`` are timeline events of all ranks (each with ``rank``); only compute events
-    (forward, backward, weight_grad) count as busy."""
-    by_step: dict[int, dict[int, list[dict]]] = {}
-    for e in events:
-        if e["kind"] in COMPUTE:
-            by_step.setdefault(e["step"], {}).setdefault(e["rank"], []).append(e)
-    steps = sorted(by_step)[1:] or sorted(by_step)
-    out: dict[int, list[float]] = {}
-    for s in steps:
-        ranks = by_step[s]
-        start = min(e["start"] for evs in ranks.values() for e in evs)
-        end = max(e["end"] for evs in ranks.values() for e in evs)
-        if end <= start:
-            continue
-        for r, evs in ranks.items():
-            busy, _ = busy_fraction(evs, COMPUTE)
-            out.setdefault(r, []).append(1 - busy / (end - start))
-    return {r: statistics.mean(v) for r, v in sorted(out.items())}
 
 
 def restarts(events: list[dict]) -> list[tuple[int, int]]:
@@ -118,17 +62,16 @@ BUBBLE_COLORS = {"measured": "#8c8c8c", "simulated (model), measured op times": 
 
 
 
-def simulated_bubbles(layout: PipelineLayout, events: list[dict]) -> dict[str, dict[int, float]]:
+def simulated_bubbles(layout: PipelineView, events: list[dict]) -> dict[str, dict[int, float]]:
     """Per rank, the bubble of the schedule run on paper (``simulate.py``: communication free)
     with this run's own op times, two ways: each op taking the time it took, and every op its
     kind's mean. Each pipeline is replayed from its own events, in the steps where it ran every
     computation of the schedule (a live run's unfinished step is left out), and averaged as
     ``bubble_fractions`` averages the measurement."""
-    from dlab.theory.simulate import replay, replay_ops
     sched = layout.schedule
     wanted = {(a.kind, a.stage, a.mb) for acts in sched.actions for a in acts if a.is_compute}
     by_op, by_mean = [], []
-    for ranks in layout.pipelines():
+    for ranks in layout.pipelines:
         pp_rank = {g: i for i, g in enumerate(ranks)}
         mine = [dict(e, rank=pp_rank[e["rank"]]) for e in events
                 if e["kind"] in COMPUTE and e["rank"] in pp_rank]
@@ -168,14 +111,14 @@ def draw_run(fig: Figure, metrics: dict[int, list[dict]], events: list[dict], ti
     for attempt, step in restarts(events):
         ax.axvline(step, color="#d62728", lw=1, ls=":",
                    label=f"restart {attempt}: resumed at step {step}")
-    _style(ax, "loss (global mean)", "step")
+    style(ax, "loss (global mean)", "step")
     if ranks:
         ax.legend(fontsize=7, loc="upper right")
 
     ax = fig.add_subplot(grid[0, 1])
     for r in ranks:
         ax.plot(*series(r, lambda m: m["tokens_per_s"]), lw=1.2)
-    _style(ax, "throughput (tokens/s)", "step")
+    style(ax, "throughput (tokens/s)", "step")
 
     memory_panel(fig.add_subplot(grid[0, 2]), metrics, config)
     bytes_panel(fig.add_subplot(grid[1, 0]), metrics)
@@ -183,16 +126,16 @@ def draw_run(fig: Figure, metrics: dict[int, list[dict]], events: list[dict], ti
     ax = fig.add_subplot(grid[1, 1])
     for r in ranks:
         ax.plot(*series(r, lambda m: 1e3 * m["step_time"]), lw=1.2)
-    _style(ax, "step time (ms)", "step")
+    style(ax, "step time (ms)", "step")
 
     ax = fig.add_subplot(grid[1, 2])
     for r in ranks:
         ax.plot(*series(r, lambda m: 100 * m["comm"]["seconds"] / m["step_time"]), lw=1.2)
-    _style(ax, "time in collectives (% of step)", "step")
+    style(ax, "time in collectives (% of step)", "step")
 
     if pipeline:
         bubble_panel(fig.add_subplot(grid[2, 0]), events, config)
-        gantt(fig.add_subplot(grid[2, 1:]), events)
+        gantt(events, fig.add_subplot(grid[2, 1:]), comm=True)
     if title:
         fig.suptitle(title, fontsize=10)
 
@@ -204,7 +147,7 @@ def memory_panel(ax, metrics: dict[int, list[dict]], config: dict | None) -> Non
     ranks = sorted(metrics)
     modelled = beside_model(ax, {f"r{r}": peak_memory(metrics[r]) for r in ranks},
                             predicted_states(config, ranks))
-    _style(ax, "memory by category (peak MiB)", "rank")
+    style(ax, "memory by category (peak MiB)", "rank")
     if ranks:
         memory_legend(ax, modelled, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
@@ -256,7 +199,7 @@ def bytes_panel(ax, metrics: dict[int, list[dict]]) -> None:
             ax.plot(steps, _cumsum([w / MiB for w in wire]), lw=1.2, ls="--", color=color,
                     label=None if measured_any else "measured (wire)")
             measured_any = True
-    _style(ax, "communication: MiB sent (cumulative)", "step")
+    style(ax, "communication: MiB sent (cumulative)", "step")
     if not metrics:
         return
     if not measured_any:
@@ -272,7 +215,7 @@ def bubble_panel(ax, events: list[dict], config: dict | None) -> None:
     (simulation -> measured)."""
     measured = bubble_fractions(events)
     ranks = list(measured)
-    layout = pipeline_layout(config) if config else None
+    layout = pipeline_view(config) if config else None
     sims = simulated_bubbles(layout, events) if layout else {}
     columns = {"measured": measured, **sims}
     width = 0.8 / len(columns)
@@ -292,45 +235,9 @@ def bubble_panel(ax, events: list[dict], config: dict | None) -> None:
     ax.set_ylim(0, 1.2 * tallest or 1.0)  # room above the formula's line
     what = f": {layout.name} p={layout.p} m={layout.m}" if layout else ""
     what += f" v={layout.v}" if layout and layout.v > 1 else ""
-    _style(ax, f"bubble (% of step, mean){what}", "rank")
+    style(ax, f"bubble (% of step, mean){what}", "rank")
     if layout:
         ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=2)
-
-
-def gantt(ax, events: list[dict], step: int | None = None) -> None:
-    """Per-rank timeline of one step (default: the last step every rank finished): one row
-    per rank, one bar per event, forward/backward bars labelled with their micro-batch; the
-    legend sits right of the axes, clear of the bars."""
-    ranks = sorted({e["rank"] for e in events})
-    done = [max((e["step"] for e in events if e["rank"] == r and e["kind"] == "step"), default=-1)
-            for r in ranks]
-    step = min(done, default=-1) if step is None else step
-    shown = [e for e in events if e["step"] == step and e["kind"] != "step"]
-    if not shown:
-        _style(ax, "timeline (no finished step yet)", "seconds")
-        return
-    t0 = min(e["start"] for e in shown)
-    for e in shown:
-        y, w = e["rank"], e["end"] - e["start"]
-        ax.barh(y, w, left=e["start"] - t0, height=0.7, color=kind_color(e["kind"]),
-                edgecolor="white", linewidth=0.4)
-        if "mb" in e and e["kind"] in COMPUTE:
-            ax.text(e["start"] - t0 + w / 2, y, str(e["mb"]), ha="center", va="center", fontsize=6,
-                    color="white")
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    _style(ax, f"timeline of step {step} (numbers: micro-batch)", "seconds")
-    from matplotlib.patches import Patch
-    present = {e["kind"] for e in shown}
-    kinds = [k for k in KIND_COLORS if k in present] + sorted(present - set(KIND_COLORS))
-    # Explicit patches: an empty barh() gives the legend a handle without the bars' colour.
-    # Right of the axes, not below: below, a short axes' legend runs into its x label.
-    ax.legend(handles=[Patch(color=kind_color(k), label=k) for k in kinds], fontsize=6,
-              loc="upper left", bbox_to_anchor=(1.01, 1.0))
-
-
-def kind_color(kind: str) -> str:
-    return KIND_COLORS.get(kind, "#cccccc")
 
 
 def peak_memory(records: list[dict]) -> dict[str, float]:
@@ -369,19 +276,6 @@ def _cumsum(xs: list[float]) -> list[float]:
     return out
 
 
-def _style(ax, title: str, xlabel: str) -> None:
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel(xlabel, fontsize=8)
-    ax.tick_params(labelsize=7)
-    ax.grid(alpha=0.3)
-
-
-def png(fig: Figure, dpi: int = 80) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
 # --- after the fact ---------------------------------------------------------------------------
 def plot(run) -> Figure:
     """The dashboard's final figure of a run (a ``Run`` or a run directory)."""
@@ -410,7 +304,7 @@ def compare(runs) -> Figure:
             ax.bar(i, statistics.median(values) if values else 0, 0.6, color="#c9d6ea")
             ax.plot([i] * len(values), values, "o", ms=3, color="#4c72b0")
         ax.set_xticks(range(len(labels)), labels)
-        _style(ax, title + " - dots: ranks", "")
+        style(ax, title + " - dots: ranks", "")
 
     ax, x = axes[1, 0], 0.0
     ticks, names, modelled = [], [], False
@@ -423,7 +317,7 @@ def compare(runs) -> Figure:
         x += len(mem) + 1
     ax.set_xticks(ticks, names, fontsize=6)
     memory_legend(ax, modelled, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=4)
-    _style(ax, "memory per rank by category (peak MiB)", "")
+    style(ax, "memory per rank by category (peak MiB)", "")
 
     sent_per_step_bars(axes[1, 1], runs, summaries, labels)
     return fig
@@ -449,7 +343,7 @@ def sent_per_step_bars(ax, runs, summaries, labels: list[str]) -> None:
                        edgecolor="white", label=None if measured_any else "measured (wire)")
                 measured_any = True
     ax.set_xticks(range(len(labels)), labels)
-    _style(ax, "MiB sent per step (bars per rank)", "")
+    style(ax, "MiB sent per step (bars per rank)", "")
     ax.legend(fontsize=6, title=None if measured_any else "wire bytes: not measured",
               title_fontsize=6)
 
@@ -459,6 +353,3 @@ def wire_per_step(records: list[dict]) -> float | None:
     summary's steps), or None where any of them was not measured."""
     wire = [m["comm"].get("wire_bytes") for m in records[1:] or records]
     return statistics.median(wire) if wire and None not in wire else None
-
-
-# --- what a collective moves where ------------------------------------------------------------

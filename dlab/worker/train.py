@@ -26,15 +26,15 @@ import time
 
 import torch
 
-from dlab.runtime import faults
-from dlab.runtime.checkpoint import Checkpointer
 from dlab.comm.instrumented import OpStats
 from dlab.comm.wire import meter
-from dlab.models.data import make_data
 from dlab.core.machine import device_peak_flops
-from dlab.parallel.base import Context, Strategy
-from dlab.runtime.preemption import Preemption
 from dlab.core.rundir import RankWriter
+from dlab.models.data import make_data
+from dlab.parallel.base import Context, Strategy
+from dlab.runtime import faults
+from dlab.runtime.checkpoint import Checkpointer
+from dlab.runtime.preemption import Preemption
 
 
 def _comm_totals(strategy: Strategy) -> tuple[OpStats, dict[str, OpStats]]:

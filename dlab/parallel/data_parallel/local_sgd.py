@@ -46,9 +46,9 @@ import torch
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+from dlab.comm import gloo as comm_model
 from dlab.comm.instrumented import nbytes
 from dlab.comm.wire import meter
-from dlab.comm import gloo as comm_model
 from dlab.core.metrics import storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy

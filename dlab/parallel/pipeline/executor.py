@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm.instrumented import Comm, nbytes
+from dlab.core.events import Timeline
 from dlab.core.metrics import ActivationMeter, storage_bytes
 from dlab.layout.schedules import Schedule
 from dlab.parallel.pipeline.split import StageModule
 from dlab.parallel.pipeline.weight_grad import WeightGradStore
-from dlab.core.events import Timeline
 
 
 def tag(sender: int, mb: int, receiver: int, n_stages: int) -> int:

@@ -42,12 +42,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dlab.models.data import shard
 from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
-from dlab.parallel.mesh import Mesh
 from dlab.parallel.grads import reduce_gradients
+from dlab.parallel.mesh import Mesh
 from dlab.parallel.tensor.strategy import OPTIONS, TensorParallelLayout
 from dlab.parallel.zero.torch_fsdp import ParamMeter, shard_with_fsdp2
 

@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlab.runtime import checkpoint
-from dlab.comm.instrumented import reduce_scatter_option
-from dlab.models.data import shard
 from dlab.comm.host import host_copies_done, pinned, to_host
+from dlab.comm.instrumented import reduce_scatter_option
 from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.models.data import shard
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
-from dlab.theory import memory
 from dlab.parallel.zero.flat import FlatUnit, build_units
+from dlab.runtime import checkpoint
+from dlab.theory import memory
 
 BOOL_OPTIONS = {
     "mixed_precision": Option("bool", "compute in bf16 with fp32 master weights", default=False),

@@ -39,16 +39,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlab.core.machine import measure_cpu_peak_flops, usable_cores
+from dlab.core.machine import GPU_PEAK_FLOPS, measure_cpu_peak_flops, usable_cores
+from dlab.theory.comm import AlphaBeta
 
 GB = 1e9
 FITTED_LINK = Path(__file__).resolve().parents[3] / "docs" / "bench" / "allreduce.json"
-
-
-@dataclass(frozen=True)
-class Link:
-    bandwidth: float  # achievable bus bandwidth, bytes/s
-    alpha: float  # seconds per ring step
 
 
 @dataclass(frozen=True)
@@ -58,8 +53,8 @@ class Cluster:
     memory: float  # bytes per GPU
     hbm: float  # memory bandwidth, bytes/s
     gpus_per_node: int
-    intra: Link
-    inter: Link
+    intra: AlphaBeta
+    inter: AlphaBeta
     matmul_efficiency: float
     attention_efficiency: float
     reserved: float = 4 * GB
@@ -95,18 +90,18 @@ class Cluster:
                 return fixed + per_byte * payload
         return None
 
-    def link(self, span: int) -> Link:
+    def link(self, span: int) -> AlphaBeta:
         """The link a group of ``span`` consecutive ranks' collectives run on."""
         return self.intra if span <= self.gpus_per_node else self.inter
 
 
 PRESETS = {
-    "a100-80gb": Cluster("A100 80GB SXM (DGX A100)", 312e12, 80 * GB, 2.039e12, 8,
-                         Link(230 * GB, 3e-6), Link(22 * GB, 10e-6), 0.80, 0.50),
-    "h100-sxm": Cluster("H100 SXM (DGX H100)", 989e12, 80 * GB, 3.35e12, 8,
-                        Link(360 * GB, 3e-6), Link(45 * GB, 10e-6), 0.70, 0.50),
-    "h200": Cluster("H200 SXM (HGX H200)", 989e12, 141 * GB, 4.8e12, 8,
-                    Link(360 * GB, 3e-6), Link(45 * GB, 10e-6), 0.70, 0.50),
+    "a100-80gb": Cluster("A100 80GB SXM (DGX A100)", GPU_PEAK_FLOPS["A100"]["bf16"], 80 * GB, 2.039e12, 8,
+                         AlphaBeta.link(230 * GB, 3e-6), AlphaBeta.link(22 * GB, 10e-6), 0.80, 0.50),
+    "h100-sxm": Cluster("H100 SXM (DGX H100)", GPU_PEAK_FLOPS["H100"]["bf16"], 80 * GB, 3.35e12, 8,
+                        AlphaBeta.link(360 * GB, 3e-6), AlphaBeta.link(45 * GB, 10e-6), 0.70, 0.50),
+    "h200": Cluster("H200 SXM (HGX H200)", GPU_PEAK_FLOPS["H200"]["bf16"], 141 * GB, 4.8e12, 8,
+                    AlphaBeta.link(360 * GB, 3e-6), AlphaBeta.link(45 * GB, 10e-6), 0.70, 0.50),
 }
 
 
@@ -120,7 +115,7 @@ def preset(name: str) -> Cluster:
                          f"{', '.join([*PRESETS, 'this-machine'])}") from None
 
 
-def fitted_link(ranks: int, path: Path = FITTED_LINK) -> Link:
+def fitted_link(ranks: int, path: Path = FITTED_LINK) -> AlphaBeta:
     """The alpha-beta link ``bench allreduce`` fitted at ``ranks`` (or the nearest it fitted).
     Its alpha is one whole all-reduce's fixed cost; per ring step that is alpha / (2 (n-1))."""
     rows = [r for r in json.loads(path.read_text()) if r.get("algorithm") == "(fitted link)"]
@@ -129,7 +124,7 @@ def fitted_link(ranks: int, path: Path = FITTED_LINK) -> Link:
                          f"--json {path}")
     row = min(rows, key=lambda r: abs(r["ranks"] - ranks))
     steps = 2 * (row["ranks"] - 1)
-    return Link(row["link GB/s"] * GB, row["alpha_us"] * 1e-6 / steps)
+    return AlphaBeta.link(row["link GB/s"] * GB, row["alpha_us"] * 1e-6 / steps)
 
 
 def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: float = 0.0,

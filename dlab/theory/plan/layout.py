@@ -1,6 +1,7 @@
 """A layout to plan: the degrees of every dimension and the choices that go with them.
 
-The mesh is ``nd``'s (``dlab.layout.layout``): pp x dp x cp x tp, tp fastest. Ranks fill
+The mesh is ``nd``'s (``dlab.layout``, whose rules the layouts here are held to): pp x dp x cp
+x tp, tp fastest. Ranks fill
 nodes in order, so a dimension's group spans ``stride x degree`` consecutive ranks, its stride
 the product of the degrees inside it: tp spans tp ranks, cp tp x cp, the data ranks (dp x cp,
 over which gradients are reduced and ZeRO shards) tp x cp x dp, and a pipeline neighbour is
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dlab.layout.layout import Layout as NDLayout
+from dlab.layout import Layout, shape
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "bf16-fp32-grads", "fp32")
+ATTENTION = ("flash", "math")
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,12 @@ class PlanLayout:
     def asdict(self) -> dict:
         return asdict(self)
 
-    def nd(self, global_batch: int) -> NDLayout:
-        """``nd``'s layout of the same degrees (for ``dlab.theory.nd`` and the runs)."""
-        return NDLayout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, zero=self.zero,
-                        schedule=self.schedule, microbatches=self.microbatches(global_batch),
-                        virtual_stages=self.v, sequence_parallel=self.sp and self.tp > 1)
+    def nd(self, global_batch: int) -> Layout:
+        """The ``dlab.layout.Layout`` of the same degrees (``nd``'s, for ``dlab.theory.nd``,
+        the rules and the runs); context parallelism is the zigzag ring."""
+        return Layout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, zero=self.zero,
+                      schedule=self.schedule, microbatches=self.microbatches(global_batch),
+                      virtual_stages=self.v, sequence_parallel=self.sp and self.tp > 1)
 
     def nd_options(self, global_batch: int) -> dict:
         """The ``nd`` strategy's options that run this layout (recomputation is a model option)."""
@@ -94,52 +96,27 @@ class PlanLayout:
         return out
 
     def problems(self, spec, global_batch: int, seq_len: int) -> list[str]:
-        """What stops this layout for this model and batch, each saying what to change."""
-        out = []
-        for k in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch"):
-            if getattr(self, k) < 1:
-                out.append(f"{k}={getattr(self, k)} must be at least 1")
+        """What stops this layout for this model and batch, each saying what to change: the
+        planner's own fields here, every rule of the degrees in ``dlab.layout.Layout.problems``
+        (the one that ``nd`` and ``pipeline-*`` are held to as well; the lab's own code's rules
+        apply to the lab's GPT only, real models pad their vocabulary and split any MLP)."""
+        out = [f"{k}={getattr(self, k)!r} must be a whole number >= 1"
+               for k in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch")
+               if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         if out:
             return out
-        if self.schedule not in SCHEDULES:
-            out.append(f"schedule={self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if self.recompute not in RECOMPUTE:
-            out.append(f"recompute={self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
-        if self.precision not in PRECISIONS:
-            out.append(f"precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if self.attention not in ("flash", "math"):
-            out.append(f"attention={self.attention!r}; choose 'flash' or 'math'")
-        if not 0 <= self.zero <= 3:
-            out.append(f"zero={self.zero}: ZeRO has stages 0 to 3")
-        if spec.n_head % self.tp:
-            out.append(f"tp={self.tp} must divide the {spec.n_head} heads")
-        elif spec.n_kv_head % self.tp and self.tp % spec.n_kv_head:
-            out.append(f"tp={self.tp} must divide the {spec.n_kv_head} KV heads or be a multiple of them")
-        if self.pp * self.v > spec.n_layer:
-            out.append(f"pp x v = {self.pp * self.v} stages for {spec.n_layer} layers; use fewer")
-        if self.v > 1 and self.schedule not in ("interleaved", "zbv"):
-            out.append(f"v={self.v} needs the interleaved or zbv schedule")
-        if seq_len % (2 * self.cp if self.cp > 1 else 1):
-            out.append(f"seq_len={seq_len} must cut into 2 x cp = {2 * self.cp} chunks (zigzag)")
-        if self.sp and self.tp > 1 and (seq_len // self.cp) % self.tp:
-            out.append(f"sequence parallelism needs tp={self.tp} to divide the {seq_len // self.cp} "
-                       f"tokens per cp rank")
-        if spec.n_expert > 1:
-            if (self.dp * self.cp) % self.ep or spec.n_expert % self.ep:
-                out.append(f"ep={self.ep} must divide the dp x cp = {self.dp * self.cp} data ranks "
-                           f"and the {spec.n_expert} experts")
-        elif self.ep > 1:
-            out.append(f"ep={self.ep} needs a mixture-of-experts model")
+        for field, value, choices in (("recompute", self.recompute, RECOMPUTE),
+                                      ("precision", self.precision, PRECISIONS),
+                                      ("attention", self.attention, ATTENTION)):
+            if value not in choices:
+                out.append(f"{field}={value!r}; choose one of {', '.join(choices)}")
         if global_batch % (self.dp * self.micro_batch):
-            out.append(f"global batch {global_batch} does not split into dp={self.dp} x "
-                       f"micro_batch={self.micro_batch}; pick a multiple of {self.dp * self.micro_batch}")
-        elif spec.gpt is not None and self.pp == 1 and self.microbatches(global_batch) > 1:
+            return out + [f"global batch {global_batch} does not split into dp={self.dp} x "
+                          f"micro_batch={self.micro_batch}; pick a multiple of "
+                          f"{self.dp * self.micro_batch}"]
+        if spec.gpt is not None and self.pp == 1 and self.microbatches(global_batch) > 1:
             out.append(f"dlab's nd accumulates micro-batches only under a pipeline; with pp=1 use "
                        f"micro_batch = batch / dp = {global_batch // self.dp}")
-        elif self.pp > 1:
-            m = self.microbatches(global_batch)
-            if self.schedule == "interleaved" and m % self.pp:
-                out.append(f"the interleaved schedule needs micro-batches ({m}) a multiple of pp={self.pp}")
-            if self.schedule == "zbv" and self.v != 2:
-                out.append("zbv runs two chunks per rank: v=2")
-        return out
+        lay = self.nd(global_batch)
+        return out + lay.problems(shape(spec, seq_len), lay.dp * lay.microbatches,
+                                  lab=spec.gpt is not None)

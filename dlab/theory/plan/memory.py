@@ -55,17 +55,17 @@ import dataclasses
 import math
 
 from dlab.theory import nd as nd_estimate
+from dlab.theory.memory import paper_memory
 from dlab.theory.pipeline import in_flight
 
 BYTES = {"bf16": (2, 2, 12), "bf16-fp32-grads": (2, 4, 12), "fp32": (4, 4, 8)}
 
 
 def state_bytes(psi: float, n: int, zero: int, precision: str = "bf16") -> dict[str, float]:
-    """Model-state bytes of ``psi`` parameters ZeRO-sharded (stage ``zero``) over ``n`` ranks."""
+    """Model-state bytes of ``psi`` parameters ZeRO-sharded (stage ``zero``) over ``n`` ranks:
+    the ZeRO paper's formula (``dlab.theory.memory.paper_memory``) at the precision's bytes."""
     w, g, k = BYTES[precision]
-    return {"parameters": w * psi / (n if zero >= 3 else 1),
-            "gradients": g * psi / (n if zero >= 2 else 1),
-            "optimizer": k * psi / (n if zero >= 1 else 1)}
+    return paper_memory(psi, n, zero, k=k, weight_bytes=w, grad_bytes=g)
 
 
 def layers_on(spec, lay, pp_rank: int) -> int:
@@ -99,7 +99,7 @@ def model_state(spec, lay, pp_rank: int) -> dict[str, float]:
     return out
 
 
-def layer_terms(spec, lay, micro_batch: int, seq_len: int) -> dict[str, float]:
+def layer_activation_terms(spec, lay, micro_batch: int, seq_len: int) -> dict[str, float]:
     """Bytes one layer saves for one micro-batch on one rank, by tensor (module docstring),
     before recomputation."""
     b, s, h, f, a = micro_batch, seq_len // lay.cp, spec.d_model, spec.d_ff, spec.n_head
@@ -126,7 +126,7 @@ def layer_terms(spec, lay, micro_batch: int, seq_len: int) -> dict[str, float]:
 def layer_bytes(spec, lay, micro_batch: int, seq_len: int) -> tuple[float, float]:
     """(what a layer keeps for backward under the layout's recomputation, what its backward
     holds again on top)."""
-    terms = layer_terms(spec, lay, micro_batch, seq_len)
+    terms = layer_activation_terms(spec, lay, micro_batch, seq_len)
     whole = sum(terms.values())
     if lay.recompute == "full":
         kept = terms["norm inputs"] / 2

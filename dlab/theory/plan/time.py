@@ -50,17 +50,9 @@ weight, two moments, the 16-bit copy) at HBM speed.
 """
 from __future__ import annotations
 
+from dlab.theory.comm import ring_allreduce_time, ring_gather_time
 from dlab.theory.pipeline import bubble, simulated_bubble
 from dlab.theory.plan.memory import BYTES, layers_on, rank_params
-
-
-def _allreduce(nbytes: float, n: int, link) -> float:
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.alpha
-
-
-def _gather(nbytes: float, n: int, link) -> float:
-    """An all-gather (or reduce-scatter) whose whole buffer is ``nbytes``."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.alpha
 
 
 def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, float]:
@@ -123,7 +115,7 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
         calls = m * layers * (4 + (2 if lay.recompute == "full" else 0))
         sent["tp"] = calls * 2 * (t - 1) / t * act
         if not lay.tp_overlap:
-            out["tp"] = calls * _allreduce(act, t, cluster.link(lay.span("tp")))
+            out["tp"] = calls * ring_allreduce_time(act, t, cluster.link(lay.span("tp")))
     if lay.cp > 1:
         link = cluster.link(lay.span("cp"))
         passes = (lay.cp - 1) * (1 + 2 + (1 if lay.recompute != "none" else 0))
@@ -219,10 +211,10 @@ def _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu) -> tuple[float, 
     for psi, k in groups:
         ring = (k - 1) / k
         if lay.zero == 0:
-            reduce, gather = _allreduce(g * psi, k, link), 0.0
+            reduce, gather = ring_allreduce_time(g * psi, k, link), 0.0
             sent += 2 * ring * g * psi
         else:
-            reduce, gather = _gather(g * psi, k, link), _gather(w * psi, k, link)
+            reduce, gather = ring_gather_time(g * psi, k, link), ring_gather_time(w * psi, k, link)
             reduces = m if lay.zero >= 2 else 1
             sent += ring * psi * (g * reduces + w * (2 * m if lay.zero == 3 else 1))
         if cpu:
