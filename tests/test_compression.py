@@ -32,6 +32,7 @@ import dlab
 from dlab.core.config import ConfigError, RunConfig
 from dlab.models.data import make_data, shard
 from dlab.theory import compression as est
+from dlab.worker.validate import validate
 
 CAP_MB = 0.02  # ~20 KiB: the tiny GPT's 136 KiB of gradients make 7 buckets
 CAP = int(CAP_MB * 2 ** 20)
@@ -341,7 +342,7 @@ def test_formulas_by_hand():
 ])
 def test_bad_options_are_refused_before_start(strategy, options, config, message, tmp_path):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        RunConfig(strategy, world_size=2, options=options, **config).validate()
+        validate(RunConfig(strategy, world_size=2, options=options, **config))
     start = time.monotonic()
     with pytest.raises(ConfigError):
         dlab.launch(strategy, 2, runs_dir=tmp_path / "runs", options=options, **config, **TINY_GPT)

@@ -25,6 +25,7 @@ from dlab.parallel.data_parallel.buckets import assign, build_buckets
 from dlab.parallel.data_parallel.parameter_server import AsyncParameterServer
 from dlab.theory import data_parallel as est
 from dlab.theory.comm import AlphaBeta
+from dlab.worker.validate import validate
 
 CAP_MB = 0.02  # ~20 KiB: the tiny GPT's 136 KiB of gradients make several buckets
 PARAM_BYTES = 4 * model_config("gpt", TINY_GPT["model_options"]).n_params()
@@ -236,7 +237,7 @@ def test_formulas():
 ])
 def test_bad_configs_are_refused_before_start(strategy, options, batch, message):
     with pytest.raises(ConfigError, match=message):
-        RunConfig(strategy, world_size=4, batch_size=batch, options=options).validate()
+        validate(RunConfig(strategy, world_size=4, batch_size=batch, options=options))
 
 
 def test_tiny_gpt_parameter_bytes_are_what_the_formulas_use():

@@ -30,6 +30,7 @@ from dlab.core.config import ConfigError, RunConfig
 from dlab.models import model_config
 from dlab.models.data import make_data, shard
 from dlab.theory import local_sgd as est
+from dlab.worker.validate import validate
 
 #: 18 steps: a run long enough for the loss to move, and not a multiple of H = 4, so the
 #: forced final sync (steps 3, 7, 11, 15 and 17) is exercised
@@ -252,10 +253,10 @@ def test_torch_averager_schedule():
 ])
 def test_bad_options_are_refused_before_start(strategy, options, message):
     with pytest.raises(ConfigError, match=message):
-        RunConfig(strategy, world_size=2, options=options).validate()
+        validate(RunConfig(strategy, world_size=2, options=options))
 
 
 @pytest.mark.parametrize("strategy", ["local-sgd", "torch-local-sgd"])
 def test_checkpoints_are_refused(strategy):
     with pytest.raises(ConfigError, match="cannot save checkpoints"):
-        RunConfig(strategy, world_size=2, checkpoint_every=2).validate()
+        validate(RunConfig(strategy, world_size=2, checkpoint_every=2))

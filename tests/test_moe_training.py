@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import TINY_GPT, assert_same_training
 
 import dlab
-from dlab.bench.expert import experts_seconds, rank_rows
+from dlab.analysis.moe import experts_seconds, rank_rows
 from dlab.core.config import ConfigError
 from dlab.models import moe
 from dlab.models.moe import MoE, MoEConfig, drop_over_capacity

@@ -13,7 +13,7 @@ from helpers import assert_same_training
 
 import dlab
 from dlab.core.config import ConfigError, RunConfig
-from dlab.layout.layout import Layout
+from dlab.layout import Layout
 from dlab.theory import nd
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
@@ -60,7 +60,7 @@ def check(world, config, options, runs_dir, reference, reference_config=None):
                       options=options, **config)
     assert_same_training(run, reference(**(reference_config or config)))
     cfg = RunConfig.from_dict(run.config)
-    lay = Layout.from_config(cfg)
+    lay = Layout.from_options(cfg.options, cfg.world_size)
     mc = cfg.model_config()
     for r in range(world):
         pp_rank = r // (world // lay.pp)  # the mesh is row-major over (pp, dp, cp, tp)
@@ -105,7 +105,7 @@ def test_adam_state_without_zero_is_the_estimate(config, options, runs_dir):
     run = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, options=options,
                       **{**config, "optimizer": "adam", "steps": 1})
     cfg = RunConfig.from_dict(run.config)
-    lay, mc = Layout.from_config(cfg), cfg.model_config()
+    lay, mc = Layout.from_options(cfg.options, cfg.world_size), cfg.model_config()
     for r in range(4):
         want = nd.model_state(mc, lay, r // (4 // lay.pp), "adam")
         got = run.metrics(r)[-1]["memory"]

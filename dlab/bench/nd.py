@@ -34,9 +34,10 @@ import tempfile
 from dlab.analysis.steps import step_time
 from dlab.bench import compared
 from dlab.core.config import RunConfig
-from dlab.layout.layout import MESH_ORDER, Layout
+from dlab.layout import MESH_ORDER, Layout, ranks
 from dlab.procs.launch import launch
 from dlab.theory import nd
+from dlab.worker.validate import problems
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
 BATCH = 8
@@ -66,7 +67,7 @@ def runnable(world: int, options: dict, model_options: dict = MODEL) -> bool:
     """Whether ``nd`` takes this layout for the bench's model (``Layout.problems``)."""
     cfg = RunConfig.from_dict({"strategy": "nd", "world_size": world, "batch_size": BATCH,
                                "options": options, "model_options": model_options})
-    return not cfg.problems()
+    return not problems(cfg)
 
 
 def label(options: dict) -> str:
@@ -79,11 +80,11 @@ def label(options: dict) -> str:
 def measure(run) -> dict:
     """The fullest rank's figures beside the estimate for that rank (the last step's)."""
     cfg = RunConfig.from_dict(run.config)
-    lay, mc = Layout.from_config(cfg), cfg.model_config()
+    lay, mc = Layout.from_options(cfg.options, cfg.world_size), cfg.model_config()
     per_rank = []
     for r in range(run.world_size):
         m = run.metrics(r)[-1]
-        pp_rank = r // (run.world_size // lay.pp)
+        pp_rank = ranks.coords(lay.dims, r)["pp"]
         state = nd.model_state(mc, lay, pp_rank, cfg.optimizer)
         per_rank.append({
             "state_MB": sum(m["memory"][k] for k in state) / MB,

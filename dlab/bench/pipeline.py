@@ -40,7 +40,9 @@ from dlab.parallel.pipeline.split import StageModule, param_costs
 from dlab.procs.launch import launch
 from dlab.procs.spawn import spawn
 from dlab.theory import pipeline as est
-from dlab.theory.simulate import bubble, bubble_of_ops, gantt, replay
+from dlab.theory.simulate import bubble, bubble_of_ops, replay
+from dlab.ui.figure import new_figure
+from dlab.ui.gantt import gantt
 
 MODEL = {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 128}
 STEPS = 4
@@ -190,28 +192,19 @@ def save_gantt(path: str = "docs/pipeline_gantt.png", name: str = "1f1b", p: int
                m: int = 8) -> float:
     """A measured Gantt chart of one step on the bench model, with the simulation of the same
     action list at the measured op times drawn pale under each rank's row (red: time blocked
-    in a recv); returns the measured bubble.
+    in a transfer); returns the measured bubble.
     ``python -c "from dlab.bench.pipeline import save_gantt; save_gantt()"``"""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-
     with tempfile.TemporaryDirectory() as runs_dir:
         run = launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=3,
-                          batch_size=m, model="gpt", model_options=MODEL,
-                          options={"microbatches": m})
+                     batch_size=m, model="gpt", model_options=MODEL,
+                     options={"microbatches": m})
         events = [e for e in run.timeline() if "stage" in e and e["step"] == 2]
     sim = replay(schedules.build(name, p, m, _v(name)), events)
-    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.9 * p))
     measured = bubble(events)
-    gantt(events, ax=ax, comm=True, y_offset=-0.12, height=0.6,
+    fig = new_figure(figsize=(11, 0.9 + 0.9 * p))
+    gantt(events, fig.add_subplot(), comm=True, y_offset=-0.12, height=0.6,
           title=f"{name}, p={p}, m={m}, measured on CPU/Gloo: bubble {measured:.3f} "
                 f"(simulated at each stage's mean op times: {bubble(sim):.3f}, pale bars)")
-    gantt(sim, ax=ax, y_offset=0.3, height=0.22, alpha=0.4, labels=False)
-    ax.set_xlabel("seconds")
-    fig.tight_layout()
+    gantt(sim, fig.axes[0], y_offset=0.3, height=0.22, alpha=0.4, labels=False)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return measured

@@ -3,8 +3,8 @@
 ``simulate`` executes every rank's list the way ``executor.py`` does - computations in order,
 sends posted without waiting, a recv blocking until its matching send has been posted (plus
 ``t_comm``) - and returns events of the same shape the real timeline records (``kind``,
-``stage``, ``mb``, ``rank``, ``start``, ``end``), so one drawing function and one bubble
-function serve both. A list that can block forever raises ``DeadlockError`` naming what each
+``stage``, ``mb``, ``rank``, ``start``, ``end``), so one drawing function (``dlab.ui.gantt``) and
+one bubble function serve both. A list that can block forever raises ``DeadlockError`` naming what each
 rank waits for.
 
 Default times are units: a forward 1, an input-gradient backward 1, a weight gradient 1 (so
@@ -227,44 +227,3 @@ def bubble_of_ops(schedule: Schedule, events: list[dict]) -> float:
     steps = sorted({e.get("step", 0) for e in events if e["kind"] in COMPUTE})
     return sum(bubble(replay_ops(schedule, [e for e in events if e.get("step", 0) == s]))
                for s in steps) / len(steps)
-
-
-COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "weight_grad": "#55A868",
-          "send": "#999999", "recv": "#C44E52"}
-
-
-def gantt(events: list[dict], ax=None, title: str = "", comm: bool = False, y_offset: float = 0.0,
-          height: float = 0.8, alpha: float = 1.0, labels: bool = True, p: int | None = None):
-    """Draw a timeline: one row per rank, a bar per computation labelled with its micro-batch,
-    hatched on a rank's second (and later) virtual stage, i.e. stage >= p (p defaults to the
-    ranks drawn); ``comm`` also draws recv waits as thin red bars. Returns the matplotlib
-    axes; call twice with ``y_offset`` / ``alpha`` to overlay two timelines."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len({e["rank"] for e in events})))
-    t0 = min((e["start"] for e in events), default=0.0)
-    p = p or len({e["rank"] for e in events})
-    for e in events:
-        kind, r = e["kind"], e["rank"]
-        if kind in COMPUTE:
-            ax.barh(r + y_offset, e["end"] - e["start"], left=e["start"] - t0, height=height,
-                    color=COLORS[kind], edgecolor="black", linewidth=0.3, alpha=alpha,
-                    hatch="///" if e.get("stage", 0) >= p else None)
-            if labels and e["end"] - e["start"] > 0:
-                ax.text((e["start"] + e["end"]) / 2 - t0, r + y_offset, str(e.get("mb", "")),
-                        ha="center", va="center", fontsize=7, color="white")
-        elif comm and kind == "recv" and e["end"] > e["start"]:
-            ax.barh(r + y_offset + height / 2, e["end"] - e["start"], left=e["start"] - t0,
-                    height=0.12, color=COLORS["recv"], alpha=alpha)
-    ax.set_yticks(sorted({e["rank"] for e in events}))
-    ax.set_yticklabels([f"rank {r}" for r in sorted({e["rank"] for e in events})])
-    if not ax.yaxis_inverted():  # a second call overlays on the same axes
-        ax.invert_yaxis()
-    ax.set_xlabel("time")
-    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in COMPUTE], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=7)
-    if title:
-        ax.set_title(title)
-    return ax

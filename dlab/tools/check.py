@@ -36,6 +36,7 @@ from dlab.analysis.diagnose import RunFailed
 from dlab.analysis.tables import format_rows
 from dlab.comm.algorithms import ALGORITHMS
 from dlab.core.config import RunConfig
+from dlab.core.machine import gpu_count
 from dlab.procs.launch import launch
 from dlab.procs.spawn import spawn
 from dlab.theory.comm import bus_bandwidth as busbw
@@ -68,10 +69,6 @@ class Case:
         model = "moe" if self.strategy == "ep" else "gpt"
         return {**BASE, "model": model, "model_options": MOE if model == "moe" else GPT,
                 "backend": self.backend, "device": self.device, "options": self.options}
-
-
-def gpu_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def plan(strategies: list[str], gpus: int, quick: bool) -> list[Case]:
