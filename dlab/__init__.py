@@ -9,11 +9,13 @@ from dlab.core.config import ConfigError, RunConfig
 from dlab.procs.launch import launch
 from dlab.procs.run import Run, attach
 from dlab.procs.spawn import spawn
+from dlab.worker.validate import validate
 from dlab.ui.plots import compare as compare  # re-export; matplotlib loads on first call
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "Run", "RunConfig", "RunFailed", "attach", "launch", "spawn"]
+__all__ = ["ConfigError", "Run", "RunConfig", "RunFailed", "attach", "compare", "launch", "spawn",
+           "validate"]
 
 
 def load_ipython_extension(ipython) -> None:

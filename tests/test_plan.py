@@ -74,7 +74,7 @@ SBH = S * B * H
     (T, True, "full", 2 * SBH / T),
 ])
 def test_korthikanti_activations_per_layer(tp, sp, recompute, formula):
-    lay = PlanLayout(tp=tp, sp=sp, recompute=recompute, attention="math")
+    lay = PlanLayout(tp=tp, sequence_parallel=sp, recompute=recompute, attention="math")
     assert layer_bytes(GPT3, lay, B, S)[0] == pytest.approx(formula, rel=1e-12)
 
 
@@ -82,7 +82,7 @@ def test_korthikanti_first_pipeline_stage_holds_L_layers_worth():
     """Sec. 4.2.3: 1F1B's first stage keeps p micro-batches of its L / p layers, sbhL/t (34 +
     5as/h) with tensor and sequence parallelism, plus the embedding's dropout mask (sbh/t each)."""
     p = 8
-    lay = PlanLayout(tp=T, pp=p, sp=True, micro_batch=B, attention="math")
+    lay = PlanLayout(tp=T, pp=p, sequence_parallel=True, micro_batch=B, attention="math")
     got = activations(GPT3, lay, global_batch=64, seq_len=S, pp_rank=0)
     assert got - p * SBH / T == pytest.approx(SBH * GPT3.n_layer / T * (34 + 5 * A * S / H), rel=1e-12)
 
@@ -101,24 +101,24 @@ LLAMA70, H100 = models.preset("llama3-70b"), clusters.preset("h100-sxm")
 
 
 def test_data_parallelism_divides_compute_and_tp_across_nodes_costs_more():
-    one = plan(LLAMA70, H100, PlanLayout(dp=8, tp=8, pp=4, zero=1, sp=True), 256, 4096)
-    two = plan(LLAMA70, H100, PlanLayout(dp=16, tp=8, pp=4, zero=1, sp=True), 256, 4096)
+    one = plan(LLAMA70, H100, PlanLayout(dp=8, tp=8, pp=4, zero=1, sequence_parallel=True), 256, 4096)
+    two = plan(LLAMA70, H100, PlanLayout(dp=16, tp=8, pp=4, zero=1, sequence_parallel=True), 256, 4096)
     assert two.time["compute"] == pytest.approx(one.time["compute"] / 2)
-    inside = plan(LLAMA70, H100, PlanLayout(dp=2, tp=8, pp=8, zero=1, sp=True), 64, 4096)
-    across = plan(LLAMA70, H100, PlanLayout(dp=1, tp=16, pp=8, zero=1, sp=True), 64, 4096)
+    inside = plan(LLAMA70, H100, PlanLayout(dp=2, tp=8, pp=8, zero=1, sequence_parallel=True), 64, 4096)
+    across = plan(LLAMA70, H100, PlanLayout(dp=1, tp=16, pp=8, zero=1, sequence_parallel=True), 64, 4096)
     assert across.time["tp_comm"] > 5 * inside.time["tp_comm"]
 
 
 def test_bubble_is_the_schedules_idle_share_when_nothing_else_costs():
     fast = dataclasses.replace(H100, intra=AlphaBeta.link(1e30, 0.0), inter=AlphaBeta.link(1e30, 0.0),
                                hbm=1e30)
-    lay = PlanLayout(tp=8, pp=4, sp=True)
+    lay = PlanLayout(tp=8, pp=4, sequence_parallel=True)
     p = plan(LLAMA70, fast, lay, 16, 4096)  # 16 micro-batches
     assert p.time["bubble"] / p.step_s == pytest.approx(3 / (16 + 3), rel=1e-3)
 
 
 def test_recomputation_trades_time_for_memory():
-    base = PlanLayout(dp=8, tp=8, pp=2, zero=1, sp=True)
+    base = PlanLayout(dp=8, tp=8, pp=2, zero=1, sequence_parallel=True)
     runs = {rc: plan(LLAMA70, H100, dataclasses.replace(base, recompute=rc), 128, 8192)
             for rc in ("none", "selective", "full")}
     assert runs["full"].memory["activations"] < runs["selective"].memory["activations"] \
@@ -132,7 +132,7 @@ def test_selective_recomputation_runs_a_math_cores_softmax_and_dropout_again():
     # the scores' element-wise work is what a math core adds to the forward, and what selective
     # recomputation (Korthikanti et al. 2022, sec. 5) runs again in backward
     gpt = models.preset("gpt3-175b")
-    lay = PlanLayout(tp=8, pp=8, sp=True, recompute="selective")
+    lay = PlanLayout(tp=8, pp=8, sequence_parallel=True, recompute="selective")
     runs = {a: plan(gpt, clusters.preset("a100-80gb"), dataclasses.replace(lay, attention=a), 64, 2048)
             for a in ("flash", "math")}
     added = runs["math"].time["compute"] - runs["flash"].time["compute"]
@@ -214,7 +214,7 @@ def test_cli_ranks_and_refuses_bad_input(capsys):
     assert "does not divide --gpus 48" in capsys.readouterr().err
     assert main(["plan", "--layout", "tp=8,grad_overlap=maybe"]) == 2
     assert "write grad_overlap=1 or grad_overlap=0" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-8b", "--layout", "tp=8,grad_overlap=off,sp=on"]) == 0
+    assert main(["plan", "--model", "llama3-8b", "--layout", "tp=8,grad_overlap=off,sequence_parallel=on"]) == 0
     out = capsys.readouterr().out
     assert "tp8 sp" in out and "not overlapped with backward" in out
 

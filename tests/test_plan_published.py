@@ -81,7 +81,7 @@ def test_the_plan_counts_the_collectives_a_run_makes(options, tmp_path):
     for rank in range(4):
         pp_rank = rank // (4 // lay.pp)
         layers = tm.layers_on(spec, lay, pp_rank)
-        want = tm.collective_calls(lay, lay.microbatches(BATCH), layers, pp_rank, 1.0, 1.0, 1.0,
+        want = tm.collective_calls(lay, lay.for_batch(BATCH).microbatches, layers, pp_rank, 1.0, 1.0, 1.0,
                                    boundary=1.0, tied=1.0)
         booked = run.metrics(rank)[-1]["comm_by_dim"]
         for dim, calls in want.items():

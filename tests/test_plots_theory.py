@@ -108,10 +108,29 @@ def test_memory_panel_shows_the_model_state_beside_the_measured_bars(strategy, t
     assert max(p.get_y() + p.get_height() for p in model) == pytest.approx(want)
 
 
-def test_a_pipeline_run_has_no_model_state_bars(one_f_one_b):
-    """``dlab.theory`` has no per-rank optimizer formula for pipeline stages: nothing drawn."""
-    _, fig = one_f_one_b
-    assert not [p for p in axes_titled(fig, "memory").patches if p.get_gid() == "model"]
+def test_a_pipeline_run_shows_each_stage_its_own_model_state(one_f_one_b):
+    """A ``pipeline-*`` run states its theory as ``nd`` does (``dlab.theory.nd.model_state`` of
+    each rank's stage): one hatched bar per rank, at that rank's measured model state."""
+    run, fig = one_f_one_b
+    ax = axes_titled(fig, "memory")
+    model = [p for p in ax.patches if p.get_gid() == "model"]
+    assert len(model) == P * 5
+    for r in range(P):
+        measured = run.metrics(r)[-1]["memory"]
+        want = sum(measured[k] for k in ("parameters", "gradients", "optimizer")) / MiB
+        tops = [p.get_y() + p.get_height() for p in model[5 * r:5 * r + 5]]
+        assert max(tops) == pytest.approx(want), r
+
+
+def test_an_nd_run_with_a_pipeline_has_the_bubble_panel(tmp_path):
+    """``nd`` with pp > 1 pipelines: its figure has the bubble panel with the schedule's formula
+    (it states its pipeline as ``pipeline-*`` does; no table of names decides it)."""
+    run = dlab.launch("nd", 2, runs_dir=tmp_path / "runs", wait=True,
+                      options={"pp": 2, "microbatches": 4}, **TINY_GPT)
+    ax = axes_titled(plot(run), "bubble")
+    assert "1f1b p=2 m=4" in ax.get_title()
+    (formula,) = [line for line in ax.get_lines() if line.get_label().startswith("formula (model)")]
+    assert formula.get_ydata()[0] == pytest.approx(100 * 1 / 5)
 
 
 def test_bytes_panels_name_the_model_and_the_wire(tmp_path):

@@ -42,7 +42,8 @@ def plan_layout(options: dict, recompute: str = "none") -> PlanLayout:
     pp, dp = options.get("pp", 1), options.get("dp", 1)
     m = 4 if pp > 1 else 1
     return PlanLayout(dp=dp, tp=options.get("tp", 1), pp=pp, cp=options.get("cp", 1),
-                      zero=options.get("zero", 0), sp=bool(options.get("sequence_parallel")),
+                      zero=options.get("zero", 0),
+                      sequence_parallel=bool(options.get("sequence_parallel")),
                       micro_batch=BATCH // (dp * m), recompute=recompute, precision="fp32")
 
 

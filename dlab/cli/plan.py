@@ -1,7 +1,7 @@
 """``python -m dlab plan``: one layout's breakdown, or every layout ranked.
 
     python -m dlab plan --model llama3-70b --cluster h100-sxm --gpus 1024 --seq 8192 --batch 1024
-    python -m dlab plan --model llama3-70b --gpus 1024 --layout tp=8,pp=8,zero=1,v=5,schedule=interleaved
+    python -m dlab plan --model llama3-70b --gpus 1024 --layout tp=8,pp=8,zero=1,virtual_stages=5,schedule=interleaved
     python -m dlab plan --published     # the published configurations beside their predictions
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gpus", type=int, default=None, help="GPUs to lay out (default: the layout's product)")
     p.add_argument("--seq", type=int, default=8192, help="sequence length")
     p.add_argument("--batch", type=int, default=1024, help="global batch in sequences")
-    p.add_argument("--layout", help="one layout, e.g. tp=8,pp=4,zero=1,sp=1,recompute=selective; "
+    p.add_argument("--layout", help="one layout, e.g. tp=8,pp=4,zero=1,sequence_parallel=1,"
+                                    "recompute=selective (nd's option names); "
                                     "its breakdown instead of the ranked table")
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument("--pareto", action="store_true", help="print the memory/time Pareto front too")
@@ -40,7 +41,8 @@ TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def parse_layout(text: str) -> PlanLayout:
-    fields = {f.name: f.type for f in dataclasses.fields(PlanLayout)}
+    # microbatches follows from --batch (PlanLayout.for_batch)
+    fields = {f.name: f.type for f in dataclasses.fields(PlanLayout) if f.name != "microbatches"}
     values = {}
     for item in filter(None, text.split(",")):
         key, sep, val = item.partition("=")

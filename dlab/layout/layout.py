@@ -72,15 +72,24 @@ def shape(model, seq_len: int | None = None) -> Shape:
 
 @dataclass(frozen=True)
 class Layout:
+    #: data-parallel replicas (``nd``'s option defaults it to what the others leave)
     dp: int = 1
+    #: pipeline stages (ranks per pipeline)
     pp: int = 1
+    #: tensor-parallel ranks per layer
     tp: int = 1
+    #: context-parallel ranks per sequence
     cp: int = 1
+    #: expert-parallel ranks, folded onto the dp x cp data ranks
     ep: int = 1
+    #: ZeRO stage over the data ranks: 0 (plain data parallelism) to 3
     zero: int = 0
+    #: the pipeline schedule (``dlab.layout.schedules``), its micro-batches per step and stages
+    #: per rank
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
+    #: the sequence split over tp outside the tensor-parallel regions (Korthikanti et al. 2022)
     sequence_parallel: bool = False
     #: how cp cuts a sequence (``dlab.layout.tokens``) and attends across its ranks
     cp_layout: str = "zigzag"

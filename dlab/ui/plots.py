@@ -226,15 +226,16 @@ def bubble_panel(ax, events: list[dict], config: dict | None) -> None:
     formula = bubble_formula(layout) if layout else None
     if formula is not None:
         # the zero-bubble forms depend on the op times; dlab's are written for equal ones
-        equal = " at t_F = t_B = t_W" if layout.name in ("zb-h1", "zbv") else ""
+        equal = " at t_F = t_B = t_W" if layout.schedule.name in ("zb-h1", "zbv") else ""
         ax.axhline(100 * formula, color="#c44e52", ls="--", lw=1.2,
                    label=f"formula (model): {100 * formula:.1f}%{equal}")
     ax.set_xticks(range(len(ranks)), [f"r{r}" for r in ranks])
     tallest = max([100 * x for values in columns.values() for x in values.values()]
                   + [100 * formula if formula is not None else 0.0])
     ax.set_ylim(0, 1.2 * tallest or 1.0)  # room above the formula's line
-    what = f": {layout.name} p={layout.p} m={layout.m}" if layout else ""
-    what += f" v={layout.v}" if layout and layout.v > 1 else ""
+    s = layout.schedule if layout else None
+    what = f": {s.name} p={s.p} m={s.m}" if s else ""
+    what += f" v={s.v}" if s and s.v > 1 else ""
     style(ax, f"bubble (% of step, mean){what}", "rank")
     if layout:
         ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=2)

@@ -19,22 +19,6 @@ class PipelineView:
     schedule: Schedule
     pipelines: list[list[int]]
 
-    @property
-    def name(self) -> str:
-        return self.schedule.name
-
-    @property
-    def p(self) -> int:
-        return self.schedule.p
-
-    @property
-    def m(self) -> int:
-        return self.schedule.m
-
-    @property
-    def v(self) -> int:
-        return self.schedule.v
-
 
 def _strategy(config: dict | None):
     """(``RunConfig``, strategy class) of a run's config, or None where it names no known
@@ -63,7 +47,8 @@ def pipeline_view(config: dict | None) -> PipelineView | None:
 def bubble_formula(view: PipelineView) -> float | None:
     """The schedule's closed-form bubble (``dlab.theory.pipeline.bubble``) at equal forward,
     input-gradient and weight-gradient times; None where no closed form applies."""
-    return bubble(view.name, view.p, view.m, view.v)
+    s = view.schedule
+    return bubble(s.name, s.p, s.m, s.v)
 
 
 def model_state(config: dict | None, rank: int) -> dict[str, int] | None:

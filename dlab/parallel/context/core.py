@@ -6,17 +6,10 @@ from __future__ import annotations
 import functools
 
 from dlab.core.options import Option
-from dlab.parallel.context.attention import (
-    Hybrid,
-    Ring,
-    allgather_attention,
-    ring_attention,
-    ulysses_attention,
-    usp_attention,
-)
+from dlab.parallel.context import attention as cores
 
-ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention,
-             "usp": usp_attention}
+ATTENTION = {"ring": cores.ring_attention, "allgather": cores.allgather_attention,
+             "ulysses": cores.ulysses_attention, "usp": cores.usp_attention}
 
 #: the options of context parallelism, in ``cp`` and ``nd`` alike
 ULYSSES = Option("int", "Ulysses ranks per group under attention='usp' (the ring runs across "
@@ -27,7 +20,7 @@ def attention_core(attention: str, mesh, positions: list, timeline=None, ulysses
     """The attention core over ``mesh``'s cp dimension, and the Comms it talks over."""
     if attention == "usp":
         heads, across = mesh.folded(("cp",), ulysses)
-        return functools.partial(usp_attention, ring=Hybrid(heads, across, positions, timeline)), [
-            heads, across]
-    return (functools.partial(ATTENTION[attention], ring=Ring(mesh.comm("cp"), positions, timeline)),
-            [mesh.comm("cp")])
+        ring = cores.Hybrid(heads, across, positions, timeline)
+        return functools.partial(cores.usp_attention, ring=ring), [heads, across]
+    ring = cores.Ring(mesh.comm("cp"), positions, timeline)
+    return functools.partial(ATTENTION[attention], ring=ring), [mesh.comm("cp")]

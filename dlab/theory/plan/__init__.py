@@ -3,7 +3,7 @@ a search over layouts, and checks of both against runs here and results publishe
 
     from dlab.theory.plan import plan, search, PlanLayout, models, clusters
     p = plan(models.preset("llama3-70b"), clusters.preset("h100-sxm"),
-             PlanLayout(dp=16, tp=8, pp=8, zero=1, sp=True, micro_batch=1), 1024, 8192)
+             PlanLayout(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True, micro_batch=1), 1024, 8192)
 
 ``spec`` (the model), ``cluster``, ``layout``, ``memory``, ``time``, ``predict``, ``search``,
 ``published``: one subject each.

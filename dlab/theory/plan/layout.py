@@ -9,12 +9,14 @@ tp x cp x dp ranks away (inside a node only if the whole pipeline is). ``Cluster
 a span into the link it runs on. Expert parallelism folds onto the data ranks (ep of them next
 to each other, stride tp).
 
-``micro_batch`` is the sequences one micro-batch carries on a rank; the global batch B then
-makes m = B / (dp x micro_batch) micro-batches per step.
+A ``PlanLayout`` is the ``Layout`` of ``nd`` (the same degrees, names and rules) plus how a step
+runs at scale: ``micro_batch`` is the sequences one micro-batch carries on a rank, so a global
+batch B makes m = B / (dp x micro_batch) micro-batches per step (``for_batch``); recomputation,
+precision, the attention kernel and the overlaps a stack does.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from dlab.layout import Layout, shape
 
@@ -24,16 +26,11 @@ ATTENTION = ("flash", "math")
 
 
 @dataclass(frozen=True)
-class PlanLayout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sp: bool = False
-    schedule: str = "1f1b"
-    v: int = 1
+class PlanLayout(Layout):
+    """``dlab.layout.Layout`` (its degrees, schedule, names and rules: ``nd``'s) and how a step
+    runs at scale. ``microbatches`` follows from the global batch (``for_batch``)."""
+
+    #: sequences one micro-batch carries on a rank: m = B / (dp x micro_batch)
     micro_batch: int = 1
     recompute: str = "none"
     #: "bf16": the ZeRO paper's mixed precision (2 + 2 + 12 bytes per parameter);
@@ -49,12 +46,9 @@ class PlanLayout:
     #: DDP, its default, which all-reduced the gradients after the whole pipeline's backward
     grad_overlap: bool = True
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def microbatches(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.micro_batch)
+    def for_batch(self, global_batch: int) -> PlanLayout:
+        """This layout with the micro-batches a global batch of ``global_batch`` sequences makes."""
+        return replace(self, microbatches=max(global_batch // (self.dp * self.micro_batch), 1))
 
     def span(self, dim: str) -> int:
         """Consecutive ranks one group of ``dim`` covers (module docstring)."""
@@ -66,45 +60,40 @@ class PlanLayout:
         parts = [f"{k}{getattr(self, k)}" for k in ("pp", "dp", "cp", "tp") if getattr(self, k) > 1]
         extra = [f"ep{self.ep}"] if self.ep > 1 else []
         extra += [f"zero{self.zero}"] if self.zero else []
-        extra += ["sp"] if self.sp and self.tp > 1 else []
+        extra += ["sp"] if self.sequence_parallel and self.tp > 1 else []
         if self.pp > 1:
-            extra.append(self.schedule + (f" v{self.v}" if self.v > 1 else ""))
+            v = self.virtual_stages
+            extra.append(self.schedule + (f" v{v}" if v > 1 else ""))
         extra += [f"mb{self.micro_batch}"] + ([self.recompute] if self.recompute != "none" else [])
         return " ".join([" x ".join(parts) or "single", *extra])
 
     def asdict(self) -> dict:
         return asdict(self)
 
-    def nd(self, global_batch: int) -> Layout:
-        """The ``dlab.layout.Layout`` of the same degrees (``nd``'s, for ``dlab.theory.nd``,
-        the rules and the runs); context parallelism is the zigzag ring."""
-        return Layout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp, ep=self.ep, zero=self.zero,
-                      schedule=self.schedule, microbatches=self.microbatches(global_batch),
-                      virtual_stages=self.v, sequence_parallel=self.sp and self.tp > 1)
-
     def nd_options(self, global_batch: int) -> dict:
         """The ``nd`` strategy's options that run this layout (recomputation is a model option)."""
         out = {k: getattr(self, k) for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1}
         if self.zero:
             out["zero"] = self.zero
-        if self.sp and self.tp > 1:
+        if self.sequence_parallel and self.tp > 1:
             out["sequence_parallel"] = True
         if self.pp > 1:
-            out.update(schedule=self.schedule, microbatches=self.microbatches(global_batch))
-            if self.v > 1:
-                out["virtual_stages"] = self.v
+            out.update(schedule=self.schedule,
+                       microbatches=self.for_batch(global_batch).microbatches)
+            if self.virtual_stages > 1:
+                out["virtual_stages"] = self.virtual_stages
         return out
 
     def problems(self, spec, global_batch: int, seq_len: int) -> list[str]:
         """What stops this layout for this model and batch, each saying what to change: the
-        planner's own fields here, every rule of the degrees in ``dlab.layout.Layout.problems``
-        (the one that ``nd`` and ``pipeline-*`` are held to as well; the lab's own code's rules
-        apply to the lab's GPT only, real models pad their vocabulary and split any MLP)."""
-        out = [f"{k}={getattr(self, k)!r} must be a whole number >= 1"
-               for k in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch")
-               if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
-        if out:
-            return out
+        planner's own fields here, every rule of the degrees in ``Layout.problems`` (the ones
+        ``nd`` and ``pipeline-*`` are held to; the lab's own code's rules apply to the lab's GPT
+        only: real models pad their vocabulary and split any MLP)."""
+        bad = [f"{k}={getattr(self, k)!r} must be a whole number >= 1"
+               for k in ("dp", "micro_batch") if not _whole(getattr(self, k)) or getattr(self, k) < 1]
+        if bad:
+            return bad
+        out = []
         for field, value, choices in (("recompute", self.recompute, RECOMPUTE),
                                       ("precision", self.precision, PRECISIONS),
                                       ("attention", self.attention, ATTENTION)):
@@ -114,9 +103,13 @@ class PlanLayout:
             return out + [f"global batch {global_batch} does not split into dp={self.dp} x "
                           f"micro_batch={self.micro_batch}; pick a multiple of "
                           f"{self.dp * self.micro_batch}"]
-        if spec.gpt is not None and self.pp == 1 and self.microbatches(global_batch) > 1:
+        lay = self.for_batch(global_batch)
+        if spec.gpt is not None and self.pp == 1 and lay.microbatches > 1:
             out.append(f"dlab's nd accumulates micro-batches only under a pipeline; with pp=1 use "
                        f"micro_batch = batch / dp = {global_batch // self.dp}")
-        lay = self.nd(global_batch)
-        return out + lay.problems(shape(spec, seq_len), lay.dp * lay.microbatches,
-                                  lab=spec.gpt is not None)
+        return out + Layout.problems(lay, shape(spec, seq_len), lay.dp * lay.microbatches,
+                                     lab=spec.gpt is not None)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

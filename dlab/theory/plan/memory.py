@@ -71,9 +71,9 @@ def state_bytes(psi: float, n: int, zero: int, precision: str = "bf16") -> dict[
 def layers_on(spec, lay, pp_rank: int) -> int:
     """Layers a pipeline rank holds: L / (pp v) per chunk, the remainder spread over the first
     chunks (Megatron requires an even split; Llama 3 took a layer off the first and last)."""
-    stages = lay.pp * lay.v
+    stages = lay.pp * lay.virtual_stages
     base, extra = divmod(spec.n_layer, stages)
-    return sum(base + (1 if pp_rank + k * lay.pp < extra else 0) for k in range(lay.v))
+    return sum(base + (1 if pp_rank + k * lay.pp < extra else 0) for k in range(lay.virtual_stages))
 
 
 def rank_params(spec, lay, pp_rank: int) -> tuple[float, float]:
@@ -104,7 +104,7 @@ def layer_activation_terms(spec, lay, micro_batch: int, seq_len: int) -> dict[st
     before recomputation."""
     b, s, h, f, a = micro_batch, seq_len // lay.cp, spec.d_model, spec.d_ff, spec.n_head
     t = lay.tp
-    r = t if lay.sp else 1
+    r = t if lay.sequence_parallel else 1
     e = 4 if lay.precision == "fp32" else 2
     kv_shards = min(t, spec.n_kv_head)  # more tp ranks than KV heads replicate them
     terms = {"norm inputs": 2 * e * s * b * h / r, "qkv input": e * s * b * h / r,
@@ -142,13 +142,13 @@ def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> flo
     """Peak activation bytes on a rank at ``pp_rank`` (module docstring)."""
     if spec.gpt is not None:
         cfg = dataclasses.replace(spec.gpt, seq_len=seq_len, recompute=lay.recompute)
-        return nd_estimate.activations(cfg, lay.nd(global_batch), global_batch, pp_rank)["peak"]
-    b, m = lay.micro_batch, lay.microbatches(global_batch)
+        return nd_estimate.activations(cfg, lay.for_batch(global_batch), global_batch, pp_rank)["peak"]
+    b, m = lay.micro_batch, lay.for_batch(global_batch).microbatches
     s, h, t = seq_len // lay.cp, spec.d_model, lay.tp
-    r = t if lay.sp else 1
+    r = t if lay.sequence_parallel else 1
     e = 4 if lay.precision == "fp32" else 2
     kept, transient = layer_bytes(spec, lay, b, seq_len)
-    held = in_flight(lay.schedule, lay.pp, m, pp_rank, lay.v) if lay.pp > 1 else 1
+    held = in_flight(lay.schedule, lay.pp, m, pp_rank, lay.virtual_stages) if lay.pp > 1 else 1
     per_micro = layers_on(spec, lay, pp_rank) * kept
     if pp_rank == 0 and spec.dropout:
         per_micro += s * b * h / r
@@ -166,8 +166,8 @@ def buffers(spec, lay, seq_len: int) -> float:
     if lay.zero == 3 and lay.dp * lay.cp > 1:
         out += 2 * e * spec.layer_params() / t
     if lay.pp > 1:
-        out += 2 * e * s * b * h / (t if lay.sp else 1)
-    if lay.sp and t > 1:
+        out += 2 * e * s * b * h / (t if lay.sequence_parallel else 1)
+    if lay.sequence_parallel and t > 1:
         out += e * s * b * h
     return out
 
@@ -179,7 +179,7 @@ def memory(spec, lay, global_batch: int, seq_len: int) -> dict[str, float]:
     for pp_rank in sorted({0, lay.pp - 1}):
         if spec.gpt is not None:
             cfg = dataclasses.replace(spec.gpt, seq_len=seq_len, recompute=lay.recompute)
-            state = nd_estimate.model_state(cfg, lay.nd(global_batch), pp_rank, "adam")
+            state = nd_estimate.model_state(cfg, lay.for_batch(global_batch), pp_rank, "adam")
         else:
             state = model_state(spec, lay, pp_rank)
         out = {**state, "activations": activations(spec, lay, global_batch, seq_len, pp_rank),

@@ -62,7 +62,7 @@ def assumed(lay) -> list[str]:
 def _stage(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int) -> dict:
     """One pipeline rank's step: its compute parts, its communication's exposed seconds and
     bytes per dimension, its optimizer, and their sum ("own"), all on a core of its own."""
-    m = lay.microbatches(global_batch)
+    m = lay.for_batch(global_batch).microbatches
     comp = tm.stage_compute(spec, cluster, lay, seq_len, pp_rank)
     comm, sent = tm.comm_times(spec, cluster, lay, global_batch, seq_len, pp_rank, comp)
     parts = {"compute": m * (comp["forward"] + comp["backward"]), "recompute": m * comp["recompute"],
@@ -91,7 +91,7 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
     problems = [*spec.problems(), *lay.problems(spec, global_batch, seq_len)]
     if problems:
         raise PlanError(f"{lay.describe()}: " + "; ".join(problems))
-    m = lay.microbatches(global_batch)
+    m = lay.for_batch(global_batch).microbatches
     frac = bubble_fraction(lay, m)
     # on a GPU cluster the stages differ only at the ends (embedding, head); on the CPU a middle
     # stage makes twice the end stages' pipeline transfers, each a measured hand-off
@@ -102,7 +102,7 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int) -> Prediction:
     sent = max(stages, key=lambda st: sum(st["sent"].values()))["sent"]
     if spec.gpt is not None:  # the lab's GPT: the busiest rank's exact bytes (dlab.theory.nd)
         cfg = dataclasses.replace(spec.gpt, seq_len=seq_len, recompute=lay.recompute)
-        sent = max((nd_estimate.step_bytes(cfg, lay.nd(global_batch), global_batch, r)
+        sent = max((nd_estimate.step_bytes(cfg, lay.for_batch(global_batch), global_batch, r)
                     for r in range(lay.pp)), key=lambda d: d["total"])
         sent.pop("total")
     mem = memory(spec, lay, global_batch, seq_len)

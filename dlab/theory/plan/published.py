@@ -76,7 +76,8 @@ def _megatron(name, layers, hidden, heads, tp, pp, gpus, batch, tflops) -> Publi
     gradients are all-reduced after the pipeline's backward, not overlapped with it: Megatron-LM's
     default "local" DDP of the time did so (its overlapped reduction came in 2023)."""
     lay = PlanLayout(dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, recompute="full",
-                     schedule="interleaved" if pp > 1 else "1f1b", v=2 if pp > 1 else 1,
+                     schedule="interleaved" if pp > 1 else "1f1b",
+                     virtual_stages=2 if pp > 1 else 1,
                      precision="bf16", attention="math", grad_overlap=False)
     return Published(NARAYANAN, models.megatron_gpt(name, layers, hidden, heads), "a100-80gb", lay,
                      batch, 2048, "tflops_per_gpu", tflops, "megatron",
@@ -108,7 +109,7 @@ def _korthikanti(name, layers, hidden, heads, pp, gpus, batch, micro, full_s, pr
     spec = models.megatron_gpt(name, layers, hidden, heads)
     out = []
     for recompute, sp, value in (("full", False, full_s), ("selective", True, present_s)):
-        lay = PlanLayout(dp=gpus // (8 * pp), tp=8, pp=pp, sp=sp, recompute=recompute,
+        lay = PlanLayout(dp=gpus // (8 * pp), tp=8, pp=pp, sequence_parallel=sp, recompute=recompute,
                          micro_batch=micro, attention="math", precision="bf16")
         extra = {"mfu": mfu} if recompute == "selective" else {}
         out.append(Published(KORTHIKANTI, spec, "a100-80gb", lay, batch, 2048, "iteration_s", value,
@@ -121,7 +122,8 @@ def _llama3(dp, cp, seq, batch_per_dp, tflops) -> Published:
     interleaved 1F1B (sec. 3.3.2), v and micro-batch size not stated: assumed 2 and 1. The paper
     does not give its FLOPs count; the row uses 6N + 12 l h s per token (attention counted
     whole, as PaLM does)."""
-    lay = PlanLayout(dp=dp, tp=8, pp=16, cp=cp, zero=1, sp=True, schedule="interleaved", v=2,
+    lay = PlanLayout(dp=dp, tp=8, pp=16, cp=cp, zero=1, sequence_parallel=True,
+                     schedule="interleaved", virtual_stages=2,
                      micro_batch=1, precision="bf16")
     return Published(LLAMA3, models.preset("llama3-405b"), "h100-sxm", lay, dp * batch_per_dp, seq,
                      "tflops_per_gpu", tflops, "model",

@@ -39,8 +39,9 @@ def layouts(spec, gpus: int, global_batch: int, seq_len: int, *, precision: str 
         zeros = [z for z in zero if z == 0 or dp * cp > 1] if dp * cp > 1 else [0]
         for (sched, v), z, mb, rc, ep in itertools.product(schedules, zeros, micro_batches,
                                                            recompute, eps):
-            lay = PlanLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, sp=tp > 1, schedule=sched,
-                             v=v, micro_batch=mb, recompute=rc, precision=precision)
+            lay = PlanLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, sequence_parallel=tp > 1,
+                             schedule=sched, virtual_stages=v, micro_batch=mb, recompute=rc,
+                             precision=precision)
             if not lay.problems(spec, global_batch, seq_len):
                 out.append(lay)
     return out

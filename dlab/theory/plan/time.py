@@ -59,7 +59,7 @@ def stage_compute(spec, cluster, lay, seq_len: int, pp_rank: int) -> dict[str, f
     """Seconds of forward, backward and recomputation of one micro-batch on ``pp_rank``, on a
     core of its own (a GPU, or a CPU rank's one thread)."""
     b, s, h, f = lay.micro_batch, seq_len // lay.cp, spec.d_model, spec.d_ff
-    t, r = lay.tp, (lay.tp if lay.sp else 1)
+    t, r = lay.tp, (lay.tp if lay.sequence_parallel else 1)
     e = 4 if lay.precision == "fp32" else 2
     layers = layers_on(spec, lay, pp_rank)
     peak = cluster.peak
@@ -101,7 +101,7 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
                comp: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
     """(exposed seconds, bytes sent) per step of each dimension's communication on
     ``pp_rank``; bytes under the ring model (an all-reduce sends 2 (n-1)/n of its buffer)."""
-    m = lay.microbatches(global_batch)
+    m = lay.for_batch(global_batch).microbatches
     b, s, h = lay.micro_batch, seq_len // lay.cp, spec.d_model
     e = 4 if lay.precision == "fp32" else 2
     layers, t = comp["layers"], lay.tp
@@ -109,7 +109,7 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
     out = dict.fromkeys(("tp", "cp", "ep", "pp", "data"), 0.0)
     sent = dict(out)
     act = e * b * s * h
-    boundary = act / (t if lay.sp else 1)  # what a pipeline stage hands its neighbour
+    boundary = act / (t if lay.sequence_parallel else 1)  # what a pipeline stage hands its neighbour
     kv = 2 * e * b * s * spec.kv_width / min(t, spec.n_kv_head)
     if t > 1:
         calls = m * layers * (4 + (2 if lay.recompute == "full" else 0))
@@ -130,8 +130,8 @@ def comm_times(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
         out["ep"] = calls * (per / link.bandwidth + (lay.ep - 1) * link.alpha)
     if lay.pp > 1:
         link = cluster.link(lay.span("pp"))
-        sent["pp"] = 2 * lay.v * m * boundary
-        out["pp"] = 2 * lay.v * m * (boundary / link.bandwidth + link.alpha)
+        sent["pp"] = 2 * lay.virtual_stages * m * boundary
+        out["pp"] = 2 * lay.virtual_stages * m * (boundary / link.bandwidth + link.alpha)
     n = lay.dp * lay.cp
     if n > 1:
         out["data"], sent["data"] = _data_exposed(spec, cluster, lay, pp_rank, m, comp, n, cpu)
@@ -171,17 +171,17 @@ weights it leaves whole: norms, biases); ring attention's 3 (c-1) + 1 passes
     t, c, n = lay.tp, lay.cp, lay.dp * lay.cp
     if t > 1:
         per_layer = 4 + (2 if lay.recompute == "full" else 0)
-        edges = (6 * first + 9 * last) if lay.sp else (first + 3 * last)
-        count = m * (layers * per_layer * (2 if lay.sp else 1) + edges)
+        edges = (6 * first + 9 * last) if lay.sequence_parallel else (first + 3 * last)
+        count = m * (layers * per_layer * (2 if lay.sequence_parallel else 1) + edges)
         out["tp"] = ([("all_gather", t, count / 2, act), ("reduce_scatter", t, count / 2, act),
                       ("all_reduce", t, 1, act)]
-                     if lay.sp else [("all_reduce", t, count, act)])
+                     if lay.sequence_parallel else [("all_reduce", t, count, act)])
     if c > 1:
         passes = m * layers * (3 * (c - 1) + 1 + ((c - 1) if lay.recompute != "none" else 0))
         out["cp"] = [("ring", c, passes, kv)]
     if lay.pp > 1:
-        stages = [k * lay.pp + pp_rank for k in range(lay.v)]
-        ends = sum((s > 0) + (s < lay.pp * lay.v - 1) for s in stages)  # neighbours, over chunks
+        stages = [k * lay.pp + pp_rank for k in range(lay.virtual_stages)]
+        ends = sum((s > 0) + (s < lay.pp * lay.virtual_stages - 1) for s in stages)  # neighbours, over chunks
         out["pp"] = [("ring", 2, m * ends, boundary)]
         if tied and (first or last):
             out["tied"] = [("all_reduce", 2, 1, tied)]
@@ -233,10 +233,10 @@ def bubble_fraction(lay, m: int) -> float:
     if lay.pp == 1:
         return 0.0
     third = 1.0 / 3  # t_F = t_B = t_W: forward, input gradient, weight gradient alike
-    closed = bubble(lay.schedule, lay.pp, m, lay.v, third, third, third)
+    closed = bubble(lay.schedule, lay.pp, m, lay.virtual_stages, third, third, third)
     if closed is not None:
         return closed
-    return simulated_bubble(lay.schedule, lay.pp, m, lay.v, third, third, third)
+    return simulated_bubble(lay.schedule, lay.pp, m, lay.virtual_stages, third, third, third)
 
 
 def optimizer_time(spec, cluster, lay, pp_rank: int) -> float:
