@@ -9,8 +9,8 @@ from dlab.core.config import ConfigError, RunConfig
 from dlab.procs.launch import launch
 from dlab.procs.run import Run, attach
 from dlab.procs.spawn import spawn
-from dlab.worker.validate import validate
 from dlab.ui.plots import compare as compare  # re-export; matplotlib loads on first call
+from dlab.worker.validate import validate
 
 __version__ = "0.1.0"
 

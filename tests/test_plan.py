@@ -214,7 +214,8 @@ def test_cli_ranks_and_refuses_bad_input(capsys):
     assert "does not divide --gpus 48" in capsys.readouterr().err
     assert main(["plan", "--layout", "tp=8,grad_overlap=maybe"]) == 2
     assert "write grad_overlap=1 or grad_overlap=0" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-8b", "--layout", "tp=8,grad_overlap=off,sequence_parallel=on"]) == 0
+    assert main(["plan", "--model", "llama3-8b", "--layout",
+                 "tp=8,grad_overlap=off,sequence_parallel=on"]) == 0
     out = capsys.readouterr().out
     assert "tp8 sp" in out and "not overlapped with backward" in out
 

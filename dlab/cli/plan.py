@@ -1,7 +1,8 @@
 """``python -m dlab plan``: one layout's breakdown, or every layout ranked.
 
     python -m dlab plan --model llama3-70b --cluster h100-sxm --gpus 1024 --seq 8192 --batch 1024
-    python -m dlab plan --model llama3-70b --gpus 1024 --layout tp=8,pp=8,zero=1,virtual_stages=5,schedule=interleaved
+    python -m dlab plan --model llama3-70b --gpus 1024 \
+        --layout tp=8,pp=8,zero=1,virtual_stages=5,schedule=interleaved
     python -m dlab plan --published     # the published configurations beside their predictions
 """
 from __future__ import annotations
