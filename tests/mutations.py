@@ -69,11 +69,11 @@ MUTATIONS = [
     ),
     Mutation(
         "tied-bytes",
-        "pipeline: the last stage leaves the tied embedding/head matrix out of its parameters",
-        "dlab/parallel/pipeline/strategy.py",
-        (("        mem = model_state_memory(self.params, self.optimizer)\n",
-          "        tied = self.named.get(\"embed.tok.weight\") if self.pp_rank == self.p - 1 else None\n"
-          "        mem = model_state_memory([q for q in self.params if q is not tied], self.optimizer)\n"),),
+        "pipeline: a stage leaves the tied embedding/head matrix out of its parameters",
+        "dlab/parallel/nd/sharding.py",
+        (("        return {\"parameters\": storage_bytes(self.params + shards),\n",
+          "        kept = [p for name, p in self.named if name != \"embed.tok.weight\"]\n"
+          "        return {\"parameters\": storage_bytes(kept + shards),\n"),),
         ("tests/test_pipeline_parity.py::test_tied_embedding_is_held_by_first_and_last_stage",),
     ),
     Mutation(

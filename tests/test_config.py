@@ -25,7 +25,7 @@ parallel.names()
     ({"device": "cuda"}, "no CUDA GPU"),
     ({"model_options": {"d_model": 30, "n_head": 4}}, "d_model=30 does not divide into n_head=4"),
     ({"model_options": {"layers": 2}}, "unknown option"),
-    ({"model": "resnet"}, "unknown model 'resnet'"),
+    ({"model": "resnet"}, "model='resnet' is not one of"),
     ({"steps": 0}, "steps must be a whole number >= 1"),
     ({"fault": {"rank": 5, "step": 1, "kind": "raise"}}, "fault rank 5 is not a rank"),
     ({"fault": {"rank": 0, "step": 1, "kind": "explode"}}, "fault kind must be one of"),

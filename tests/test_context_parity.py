@@ -58,7 +58,7 @@ def test_cp_refuses_what_cannot_be_split(runs_dir):
                     model_options={**TINY_GPT["model_options"], "seq_len": 30})
     with pytest.raises(ConfigError, match="option attention='flash' is not one of"):
         dlab.launch("cp", 2, runs_dir=runs_dir, options={"attention": "flash"})
-    with pytest.raises(ConfigError, match="option cp=3 must divide world_size=4"):
+    with pytest.raises(ConfigError, match="cp=3 takes 3 ranks, which does not divide world_size=4"):
         dlab.launch("cp", 4, runs_dir=runs_dir, options={"cp": 3})
     with pytest.raises(ConfigError, match="n_head=2 is not a multiple of cp=4"):
         dlab.launch("cp", 4, runs_dir=runs_dir, options={"attention": "ulysses"}, **CP_GPT)

@@ -114,7 +114,7 @@ def test_ep_trains_like_single_with_each_option(options, world_size, runs_dir, r
 
 
 def test_moe_training_options_are_refused_where_not_built(runs_dir):
-    with pytest.raises(ConfigError, match="aux_loss are built for single and ep"):
+    with pytest.raises(ConfigError, match="aux_loss are built for ep and single"):
         dlab.launch("ddp", 2, runs_dir=runs_dir, **_moe(aux_loss=0.1))
     with pytest.raises(ConfigError, match="capacity_factor=-1 must be >= 0"):
         dlab.launch("ep", 2, runs_dir=runs_dir, **_moe(capacity_factor=-1))

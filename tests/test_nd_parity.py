@@ -132,13 +132,13 @@ def test_recomputation_changes_nothing_but_memory_and_bytes(world, recompute, op
 
 @pytest.mark.parametrize("world,config,options,match", [
     (8, GPT, {"dp": 2, "pp": 2, "tp": 3}, "takes 12 ranks but world_size=8"),
-    (4, GPT, {"tp": 4}, "n_head=2 is not divisible by tp=4"),
-    (4, GPT, {"tp": 8}, "pp x cp x tp = 1 x 1 x 8 = 8 ranks does not divide world_size=4"),
+    (4, GPT, {"tp": 4}, "tp=4 must divide the model's 2 heads"),
+    (4, GPT, {"tp": 8}, "tp=8 takes 8 ranks, which does not divide world_size=4"),
     (4, {**GPT, "model_options": {**GPT["model_options"], "seq_len": 30}}, {"cp": 2},
      "seq_len=30 does not cut into 4 equal chunks"),
     (4, {**MOE, "model_options": {**MOE["model_options"], "n_expert": 3}}, {"ep": 2},
      "n_expert=3 does not split over ep=2"),
-    (4, GPT, {"ep": 2}, "use model='moe'"),
+    (4, GPT, {"ep": 2}, "splits the experts of a mixture of experts"),
     (4, GPT, {"pp": 4, "schedule": "interleaved"}, "8 stages but the model has n_layer=4"),
     (4, MOE, {"cp": 2, "tp": 2, "ep": 4, **SP}, "ep=4 folds onto the dp x cp = 2"),
     (4, MOE, {"tp": 2, "ep": 2}, "need sequence_parallel=True"),

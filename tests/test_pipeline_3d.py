@@ -49,7 +49,7 @@ def test_3d_matches_single(schedule, world, options, runs_dir, reference):
 
 @pytest.mark.parametrize("schedule,world,options,match", [
     ("1f1b", 4, {"tp": 3}, "does not divide world_size=4"),
-    ("1f1b", 4, {"tp": 4}, "n_head=2 is not divisible by tp=4"),
+    ("1f1b", 4, {"tp": 4}, "tp=4 must divide the model's 2 heads"),
     ("zbv", 4, {"tp": 2}, "tensor-parallel layers are not split"),
     ("1f1b", 4, {"tp": 0}, "tp must be a whole number >= 1"),
 ])

@@ -11,6 +11,7 @@ from test_dashboard import record_pipeline_run
 import dlab
 from dlab.theory.memory import model_units, zero_memory
 from dlab.ui.figure import KIND_COLORS, MiB
+from dlab.ui.gantt import WAIT_COLOR, WAITING, WAITS
 from dlab.ui.plots import compare, plot
 
 P, M = 2, 8
@@ -71,14 +72,18 @@ def test_timeline_legend_has_the_bars_colours_and_keeps_off_them(one_f_one_b):
     ax = axes_titled(fig, "timeline of step")
     step = int(ax.get_title().split()[3])
     shown = [e for e in run.timeline() if e["step"] == step and e["kind"] != "step"]
+    # a transfer is drawn as the wait it cost (a thin red bar), every other kind as its own bar
+    waits = [e for e in shown if e["kind"] in WAITS and e["end"] > e["start"]]
+    drawn = {e["kind"] for e in shown if e["kind"] not in WAITS} | ({WAITING} if waits else set())
     bar_colors = [to_hex(p.get_facecolor()) for p in ax.patches]
     legend = ax.get_legend()
     kinds = [t.get_text() for t in legend.get_texts()]
-    assert set(kinds) == {e["kind"] for e in shown}
+    assert set(kinds) == drawn
     for kind, handle in zip(kinds, legend.legend_handles, strict=True):
         color = to_hex(handle.get_facecolor())
-        assert color == KIND_COLORS[kind]
-        assert bar_colors.count(color) == sum(e["kind"] == kind for e in shown), kind
+        assert color == (WAIT_COLOR if kind == WAITING else KIND_COLORS[kind])
+        count = len(waits) if kind == WAITING else sum(e["kind"] == kind for e in shown)
+        assert bar_colors.count(color) == count, kind
     fig.draw_without_rendering()  # lays the figure out, as saving it does
     for panel in (ax, axes_titled(fig, "bubble"), axes_titled(fig, "memory")):
         box = panel.get_legend().get_window_extent()

@@ -181,12 +181,12 @@ def test_parallel_layers_match_their_originals(world_size, runs_dir):
 
 
 @pytest.mark.parametrize("options,model_options,expect", [
-    ({"tp": 3}, {"n_head": 3, "d_model": 24}, "world_size=4 is not a multiple of tp=3"),
-    ({"tp": 4}, {"n_head": 2}, "n_head=2 is not divisible by tp=4"),
+    ({"tp": 3}, {"n_head": 3, "d_model": 24}, "tp=3 takes 3 ranks, which does not divide world_size=4"),
+    ({"tp": 4}, {"n_head": 2}, "tp=4 must divide the model's 2 heads"),
     ({"tp": 4}, {"n_head": 4, "d_ff": 66}, "d_ff=66 is not divisible by tp=4"),
     ({"tp": 4}, {"n_head": 4, "vocab_size": 258}, "vocab_size=258 is not divisible by tp=4"),
     ({"tp": 4, "sequence_parallel": True}, {"n_head": 4, "seq_len": 30},
-     "seq_len=30 is not divisible by tp=4"),
+     "splits the 30 tokens over tp=4"),
     ({"tp": 4, "overlap": True}, {}, "unknown option(s) ['overlap']"),
 ])
 def test_configs_that_cannot_split_are_refused(options, model_options, expect, runs_dir):

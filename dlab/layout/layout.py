@@ -198,9 +198,11 @@ class Layout:
     def _degree_problems(self, world_size: int | None) -> list[str]:
         if self.dp == 0:  # dp left out, and the others do not divide the world
             rest = self.pp * self.cp * self.tp
-            return [f"pp x cp x tp = {self.pp} x {self.cp} x {self.tp} = {rest} ranks does not "
-                    f"divide world_size={world_size}; pick degrees whose product divides it (dp "
-                    f"takes the rest) or run on a multiple of {rest} ranks"]
+            named = [f"{d}={n}" for d, n in (("pp", self.pp), ("cp", self.cp), ("tp", self.tp))
+                     if n > 1] or ["pp=1"]
+            return [f"{' x '.join(named)} takes {rest} ranks, which does not divide "
+                    f"world_size={world_size}: pick degrees whose product divides it (dp takes "
+                    f"what they leave) or run on a multiple of {rest} ranks"]
         if world_size is not None and self.world != world_size:
             shown = " x ".join(f"{d}={n}" for d, n in self.dims.items())
             return [f"the layout {shown} takes {self.world} ranks but world_size={world_size}; "
@@ -237,9 +239,11 @@ class Layout:
                        f"chunks for cp={self.cp} ({self.cp_layout} layout); use a multiple of "
                        f"{pieces}")
         elif self.sequence_parallel and self.tp > 1 and (model.seq_len // self.cp) % self.tp:
-            out.append(f"sequence parallelism splits each rank's {model.seq_len // self.cp} tokens "
-                       f"over tp={self.tp}; use a seq_len that cp x tp = {self.cp * self.tp} "
-                       f"divides (x2 for zigzag), or sequence_parallel=False")
+            each = f"each cp rank's {model.seq_len // self.cp}" if self.cp > 1 else f"the {model.seq_len}"
+            need = (f"cp x tp = {self.cp * self.tp} divides (x2 for zigzag)" if self.cp > 1
+                    else f"{self.tp} divides")
+            out.append(f"sequence parallelism splits {each} tokens over tp={self.tp}; use a "
+                       f"seq_len that {need}, or sequence_parallel=False")
         if self.cp > 1 and self.cp_attention == "usp" and self.cp % self.ulysses:
             out.append(f"option ulysses={self.ulysses} must divide cp={self.cp} (USP cuts the cp "
                        f"ranks into groups of that many; the ring runs across the groups)")

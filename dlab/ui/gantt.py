@@ -13,7 +13,8 @@ from dlab.core.events import COMPUTE
 from dlab.ui.figure import kind_color, new_figure, style
 
 WAITS = ("send", "recv")  # a pipeline's transfers: time spent waiting for a peer's data
-WAIT_COLOR = "#c44e52"
+WAIT_COLOR = "#d62728"  # red, apart from every kind's colour
+WAITING = "waiting for a peer"  # their legend entry
 
 
 def gantt(events: list[dict], ax=None, *, step: int | None = None, title: str | None = None,
@@ -44,7 +45,7 @@ def gantt(events: list[dict], ax=None, *, step: int | None = None, title: str | 
             if comm and w > 0:
                 ax.barh(r + y_offset - height / 2, w, left=e["start"] - t0, height=0.12,
                         color=WAIT_COLOR, alpha=alpha)
-                shown.add("waiting for a peer")
+                shown.add(WAITING)
             continue
         ax.barh(r + y_offset, w, left=e["start"] - t0, height=height, color=kind_color(kind),
                 edgecolor="white", linewidth=0.4, alpha=alpha,
@@ -87,7 +88,7 @@ def _legend(ax, shown: set[str]) -> None:
     order = [*COMPUTE, "optimizer", "all_reduce", "all_gather", "reduce_scatter"]
     for kind in sorted(shown, key=lambda k: (order.index(k) if k in order else len(order), k)):
         if kind not in known:
-            color = WAIT_COLOR if kind == "waiting for a peer" else kind_color(kind)
+            color = WAIT_COLOR if kind == WAITING else kind_color(kind)
             known[kind] = Patch(color=color, label=kind)
     ax.legend(handles=list(known.values()), fontsize=6, loc="upper left",
               bbox_to_anchor=(1.01, 1.0))

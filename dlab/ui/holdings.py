@@ -5,6 +5,7 @@ label lists them; arrows of the step are listed under the panel."""
 from __future__ import annotations
 
 from dlab.comm.algorithms.report import Report, holdings, merged_trace
+from dlab.ui.figure import new_figure
 
 
 def _label(ranks: frozenset[int], n: int) -> str:
@@ -14,8 +15,7 @@ def _label(ranks: frozenset[int], n: int) -> str:
 
 
 def plot_holdings(reports: list[Report], title: str = "", max_panels: int = 12, width: float = 2.2):
-    import matplotlib.pyplot as plt
-
+    """The figure of ``reports`` (every rank's, of one run of an algorithm)."""
     h = holdings(reports)
     n, chunks = reports[0].world_size, reports[0].chunks
     steps = list(range(len(h)))
@@ -24,8 +24,8 @@ def plot_holdings(reports: list[Report], title: str = "", max_panels: int = 12, 
     by_step: dict[int, list] = {}
     for t in merged_trace(reports):
         by_step.setdefault(t.step, []).append(t)
-    fig, axes = plt.subplots(1, len(steps), figsize=(width * len(steps), 0.45 * n + 1.6),
-                             squeeze=False)
+    fig = new_figure(figsize=(width * len(steps), 0.45 * n + 1.6))
+    axes = fig.subplots(1, len(steps), squeeze=False)
     for ax, s in zip(axes[0], steps, strict=True):
         grid = [[len(h[s][r][c]) for c in range(chunks)] for r in range(n)]
         ax.imshow(grid, cmap="Blues", vmin=0, vmax=n * 1.2, aspect="auto")
@@ -42,5 +42,4 @@ def plot_holdings(reports: list[Report], title: str = "", max_panels: int = 12, 
         ax.set_xlabel(shown, fontsize=7)
     axes[0][0].set_ylabel("rank")
     fig.suptitle(title or reports[0].algorithm, fontsize=10)
-    fig.tight_layout()
     return fig
