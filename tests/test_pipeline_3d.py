@@ -38,7 +38,7 @@ def test_3d_matches_single(schedule, world, options, runs_dir, reference):
     p = world // (t * d)
     blocks = cfg.n_layer // p  # equal blocks: partition by parameters splits them evenly
     for r in range(world):
-        stage = r // t % p  # the mesh is row-major over (dp, pp, tp)
+        stage = r // (t * d)  # the mesh is row-major over (pp, dp, tp): nd's order
         first, last = stage == 0, stage == p - 1
         want = hybrid.step_bytes(cfg, GPT["batch_size"], d, t, p, blocks, first, last)
         params = hybrid.stage_params(cfg, t, blocks, first, last, p)
