@@ -69,11 +69,11 @@ MUTATIONS = [
     ),
     Mutation(
         "tied-bytes",
-        "pipeline: the last stage leaves the tied embedding/head matrix out of its parameters",
-        "dlab/parallel/pipeline/strategy.py",
-        (("        mem = model_state_memory(self.params, self.optimizer)\n",
-          "        tied = self.named.get(\"embed.tok.weight\") if self.pp_rank == self.p - 1 else None\n"
-          "        mem = model_state_memory([q for q in self.params if q is not tied], self.optimizer)\n"),),
+        "pipeline: a stage leaves the tied embedding/head matrix out of its parameters",
+        "dlab/parallel/nd/sharding.py",
+        (("        return {\"parameters\": storage_bytes(self.params + shards),\n",
+          "        kept = [p for name, p in self.named if name != \"embed.tok.weight\"]\n"
+          "        return {\"parameters\": storage_bytes(kept + shards),\n"),),
         ("tests/test_pipeline_parity.py::test_tied_embedding_is_held_by_first_and_last_stage",),
     ),
     Mutation(
@@ -89,7 +89,7 @@ MUTATIONS = [
     Mutation(
         "async-ckpt-no-copy",
         "checkpoint pieces reference the live tensors instead of copying them",
-        "dlab/checkpoint.py",
+        "dlab/runtime/checkpoint.py",
         (("    data = to_host(flat)\n", "    data = flat\n"),),
         ("tests/test_checkpoint.py::test_async_and_full_checkpoints_resume_the_same",
          "tests/test_checkpoint.py::test_an_async_save_holds_the_values_of_the_step_it_was_called_at"),

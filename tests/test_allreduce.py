@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import dlab
-from dlab.estimate.comm import allreduce_rounds, allreduce_sent_bytes
+from dlab.theory.comm import allreduce_rounds, allreduce_sent_bytes
 
 SIZES = [1, 7, 1001, 2 ** 15 + 3]  # none divides evenly over 2, 3 or 4 ranks (1 is smaller than N)
 EVEN = 2 ** 12 * 3  # splits evenly into 2, 3, 4 ring chunks and 2 or 4 halving blocks
@@ -163,7 +163,7 @@ def test_ring_trace_is_the_textbook_schedule(world):
 
 
 def test_cost_model_is_consistent_and_fits_exact_data():
-    from dlab.estimate.comm import AlphaBeta, allreduce_time, fit_alpha_beta, ring_allreduce_time
+    from dlab.theory.comm import AlphaBeta, allreduce_time, fit_alpha_beta, ring_allreduce_time
     link = AlphaBeta(alpha=50e-6, beta=1e-9)
     sizes = [4, 4096, 1 << 20, 64 << 20]
     for relative in (False, True):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from dlab import check
+from dlab.tools import check
 
 
 def test_plan_follows_the_gpus_there_are():
@@ -50,8 +50,8 @@ def test_unknown_strategies_are_refused_before_any_run(tmp_path):
 
 
 @pytest.mark.parametrize("strategies", [
-    # by default the command itself, end to end, on one strategy (about 30 s)
-    ("ddp",),
+    # by default the command itself, end to end, on a data-parallel strategy and the composition
+    ("ddp", "nd"),
     # every family (about 140 s); each has its own parity test in the default run
     pytest.param(check.QUICK, marks=pytest.mark.slow),
 ])

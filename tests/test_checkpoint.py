@@ -13,7 +13,7 @@ import torch
 from helpers import TINY_GPT, assert_ranks_agree, final_state, losses
 
 import dlab
-from dlab import checkpoint
+from dlab.runtime import checkpoint
 
 RUN = {**TINY_GPT, "steps": 8, "save_final": True}
 

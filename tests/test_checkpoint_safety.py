@@ -10,8 +10,10 @@ import torch
 from helpers import TINY_GPT
 
 import dlab
-from dlab import checkpoint, models
-from dlab.config import RunConfig
+from dlab import models
+from dlab.core.config import RunConfig
+from dlab.runtime import checkpoint
+from dlab.worker.validate import problems
 
 GPT2 = TINY_GPT["model_options"]  # n_layer=2, d_model=32, n_head=2, seq_len=32
 
@@ -60,7 +62,7 @@ def test_resume_into_another_layout_of_the_same_model_is_accepted(tmp_path):
     ckpt = _saved(tmp_path, strategy="zero3", world=4)
     for strategy, world in (("single", 1), ("torch-ddp", 2), ("zero3", 2)):
         cfg = RunConfig(strategy, world_size=world, steps=8, resume=str(ckpt), model_options=GPT2)
-        assert cfg.problems() == [], (strategy, cfg.problems())
+        assert problems(cfg) == [], (strategy, problems(cfg))
 
 
 def test_resume_at_or_past_the_last_step_is_refused(tmp_path):

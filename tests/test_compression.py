@@ -2,7 +2,7 @@
 
 For each method, from one launch per (method, world size), shared by every check:
 
-(a) bytes: each step's ``sent_bytes`` equal ``dlab.estimate.compression``'s formula (ring
+(a) bytes: each step's ``sent_bytes`` equal ``dlab.theory.compression``'s formula (ring
     convention), and the bytes measured on the wire equal its model of Gloo's algorithms;
 (b) the rule: PowerSGD and top-k train exactly (fp32, 1e-5 on the parameters) like a
     one-process replay of the papers' rules over the N shards, written below as plain tensor
@@ -29,9 +29,10 @@ import torch
 from helpers import TINY_GPT, assert_ranks_agree, final_state, losses, max_param_diff
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.data import make_data, shard
-from dlab.estimate import compression as est
+from dlab.core.config import ConfigError, RunConfig
+from dlab.models.data import make_data, shard
+from dlab.theory import compression as est
+from dlab.worker.validate import validate
 
 CAP_MB = 0.02  # ~20 KiB: the tiny GPT's 136 KiB of gradients make 7 buckets
 CAP = int(CAP_MB * 2 ** 20)
@@ -341,7 +342,7 @@ def test_formulas_by_hand():
 ])
 def test_bad_options_are_refused_before_start(strategy, options, config, message, tmp_path):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        RunConfig(strategy, world_size=2, options=options, **config).validate()
+        validate(RunConfig(strategy, world_size=2, options=options, **config))
     start = time.monotonic()
     with pytest.raises(ConfigError):
         dlab.launch(strategy, 2, runs_dir=tmp_path / "runs", options=options, **config, **TINY_GPT)

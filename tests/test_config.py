@@ -8,7 +8,8 @@ from helpers import TINY_GPT
 
 import dlab
 from dlab import parallel
-from dlab.config import RunConfig
+from dlab.core.config import RunConfig
+from dlab.worker.validate import problems, validate
 
 # The first strategy lookup imports every strategy module (seconds on a loaded 2-core machine);
 # done here, so the time bound below measures the check, not the imports.
@@ -24,7 +25,7 @@ parallel.names()
     ({"device": "cuda"}, "no CUDA GPU"),
     ({"model_options": {"d_model": 30, "n_head": 4}}, "d_model=30 does not divide into n_head=4"),
     ({"model_options": {"layers": 2}}, "unknown option"),
-    ({"model": "resnet"}, "unknown model 'resnet'"),
+    ({"model": "resnet"}, "model='resnet' is not one of"),
     ({"steps": 0}, "steps must be a whole number >= 1"),
     ({"fault": {"rank": 5, "step": 1, "kind": "raise"}}, "fault rank 5 is not a rank"),
     ({"fault": {"rank": 0, "step": 1, "kind": "explode"}}, "fault kind must be one of"),
@@ -45,10 +46,10 @@ def test_unknown_config_key_names_the_known_ones(tmp_path):
 
 
 def test_every_problem_is_listed_at_once():
-    problems = RunConfig("torch-ddp", world_size=4, batch_size=6, steps=0).problems()
-    assert len(problems) == 1 and "steps" in problems[0]  # basics first, strategy checks after
-    problems = RunConfig("torch-ddp", world_size=4, batch_size=6).problems()
-    assert any("batch_size=6" in p for p in problems)
+    found = problems(RunConfig("torch-ddp", world_size=4, batch_size=6, steps=0))
+    assert len(found) == 1 and "steps" in found[0]  # basics first, strategy checks after
+    found = problems(RunConfig("torch-ddp", world_size=4, batch_size=6))
+    assert any("batch_size=6" in p for p in found)
 
 
 def test_auto_backend_is_gloo_without_gpus():
@@ -60,10 +61,10 @@ def test_a_system_without_posix_sessions_is_refused_before_start(monkeypatch):
     """What needs Linux (process sessions and signals) is refused with a message saying so."""
     import os
 
-    from dlab.config import ConfigError, RunConfig
+    from dlab.core.config import ConfigError, RunConfig
     monkeypatch.setattr(os, "name", "nt")
     with pytest.raises(ConfigError, match="WSL"):
-        RunConfig(strategy="single", world_size=1).validate()
+        validate(RunConfig(strategy="single", world_size=1))
 
 
 def test_shm_all_reduce_says_it_needs_dev_shm(monkeypatch):

@@ -1,7 +1,7 @@
 """Context-parallel attention: ring, all-gather, Ulysses and USP (Ulysses in pairs of ranks,
 the ring across the pairs) against one process's causal attention (outputs and the gradients
 of q, k and v) for both layouts at 2 and 4 ranks, the K/V bytes they send against
-``dlab.estimate.context`` (and, where the wire is measurable, Ulysses' all-to-alls on the wire
+``dlab.theory.context`` (and, where the wire is measurable, Ulysses' all-to-alls on the wire
 against Gloo's), and the layouts' causal work."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import dlab
-from dlab.estimate import context as est
-from dlab.parallel.context import layout
+from dlab.layout import tokens as layout
+from dlab.theory import context as est
 
 B, H, T, D = 2, 4, 16, 4  # T divides into 2n chunks and H into n heads for n = 2 and 4
 

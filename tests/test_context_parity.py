@@ -1,5 +1,5 @@
 """The ``cp`` strategy trains exactly like ``single`` (ring, all-gather, Ulysses and USP attention, zigzag and
-contiguous layouts, 2 and 4 ranks, and CP x DP), sends per step what ``dlab.estimate.context`` says, and
+contiguous layouts, 2 and 4 ranks, and CP x DP), sends per step what ``dlab.theory.context`` says, and
 refuses a configuration it cannot split before any process starts."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from helpers import TINY_GPT, assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError
-from dlab.estimate import context as est
+from dlab.core.config import ConfigError
 from dlab.models import model_config
+from dlab.theory import context as est
 
 CP_GPT = {**TINY_GPT, "model_options": {**TINY_GPT["model_options"], "seq_len": 32}}
 PARAM_BYTES = 4 * model_config("gpt", CP_GPT["model_options"]).n_params()
@@ -58,7 +58,7 @@ def test_cp_refuses_what_cannot_be_split(runs_dir):
                     model_options={**TINY_GPT["model_options"], "seq_len": 30})
     with pytest.raises(ConfigError, match="option attention='flash' is not one of"):
         dlab.launch("cp", 2, runs_dir=runs_dir, options={"attention": "flash"})
-    with pytest.raises(ConfigError, match="option cp=3 must divide world_size=4"):
+    with pytest.raises(ConfigError, match="cp=3 takes 3 ranks, which does not divide world_size=4"):
         dlab.launch("cp", 4, runs_dir=runs_dir, options={"cp": 3})
     with pytest.raises(ConfigError, match="n_head=2 is not a multiple of cp=4"):
         dlab.launch("cp", 4, runs_dir=runs_dir, options={"attention": "ulysses"}, **CP_GPT)

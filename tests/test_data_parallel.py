@@ -2,7 +2,7 @@
 
 Parity: each trains exactly like ``single`` on the same global batch at 2 and 4 ranks (fp32,
 1e-5 absolute: the ranks sum the same gradients in another order). Bytes: what each rank sent
-and received per step equals ``dlab.estimate.data_parallel``'s formula. One launch per
+and received per step equals ``dlab.theory.data_parallel``'s formula. One launch per
 (strategy, options, world size) serves both checks, since launches are what costs here.
 """
 from __future__ import annotations
@@ -17,19 +17,18 @@ from helpers import TINY_GPT, assert_ranks_agree, assert_same_training, final_st
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.data import make_data, shard
-from dlab.estimate import data_parallel as est
-from dlab.estimate.comm import AlphaBeta
+from dlab.core.config import ConfigError, RunConfig
+from dlab.core.events import Timeline
 from dlab.models import model_config
+from dlab.models.data import make_data, shard
 from dlab.parallel.data_parallel.buckets import assign, build_buckets
-from dlab.parallel.data_parallel.ddp import ring_algorithm
 from dlab.parallel.data_parallel.parameter_server import AsyncParameterServer
-from dlab.timeline import Timeline
+from dlab.theory import data_parallel as est
+from dlab.theory.comm import AlphaBeta
+from dlab.worker.validate import validate
 
 CAP_MB = 0.02  # ~20 KiB: the tiny GPT's 136 KiB of gradients make several buckets
 PARAM_BYTES = 4 * model_config("gpt", TINY_GPT["model_options"]).n_params()
-RING_MISSING = "dlab.comm.algorithms (the hand-written ring) is not in this checkout yet"
 
 CASES = {
     "ps-sync": ("ps-sync", {}),
@@ -47,8 +46,6 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_single_and_moves_the_formula_bytes(case, world_size, runs_dir, reference):
     strategy, options = CASES[case]
-    if options.get("allreduce") == "ring" and ring_algorithm() is None:
-        pytest.skip(RING_MISSING)
     run = dlab.launch(strategy, world_size, runs_dir=runs_dir, wait=True, save_final=True,
                       options=options, **TINY_GPT)
     assert_same_training(run, reference(**TINY_GPT))
@@ -240,14 +237,7 @@ def test_formulas():
 ])
 def test_bad_configs_are_refused_before_start(strategy, options, batch, message):
     with pytest.raises(ConfigError, match=message):
-        RunConfig(strategy, world_size=4, batch_size=batch, options=options).validate()
-
-
-def test_ring_option_is_refused_when_the_ring_is_missing(monkeypatch):
-    import dlab.parallel.data_parallel.ddp as ddp_module
-    monkeypatch.setattr(ddp_module, "ring_algorithm", lambda: None)
-    with pytest.raises(ConfigError, match="needs dlab's ring"):
-        RunConfig("ddp", world_size=2, options={"allreduce": "ring"}).validate()
+        validate(RunConfig(strategy, world_size=4, batch_size=batch, options=options))
 
 
 def test_tiny_gpt_parameter_bytes_are_what_the_formulas_use():

@@ -14,9 +14,9 @@ import torch
 from helpers import TINY_GPT, assert_ranks_agree, final_state
 
 import dlab
-from dlab.config import RunConfig
-from dlab.data import make_data, shard
+from dlab.core.config import RunConfig
 from dlab.models import build
+from dlab.models.data import make_data, shard
 
 DELAY = 0.25
 

@@ -1,5 +1,5 @@
 """Elastic membership: two torchrun agents (``--nnodes 1:2``) of 2 ranks each; one is SIGKILLed
-mid-run and started again later (``dlab.elastic.rehearse``).
+mid-run and started again later (``dlab.procs.elastic.rehearse``).
 
 What "the same training" means here: the global batch stays fixed, so every step applies the
 batch an uninterrupted run applies, and the final parameters equal ``single``'s to fp32
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from helpers import TINY_GPT, final_state
 
-from dlab.config import ConfigError
-from dlab.elastic import rehearse
+from dlab.core.config import ConfigError
+from dlab.procs.elastic import rehearse
 
 #: a delay per step on rank 0 paces the run so the lost agent can come back before it ends
 PACE = {"kind": "slow", "rank": 0, "step": 0, "steps": 1000, "delay_s": 0.2}

@@ -7,11 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dlab.exercises import (
-    EXERCISES,
-    catalogue,  # noqa: F401
-    check,
-)
+from dlab.exercises import EXERCISES, check
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "docs" / "instructor" / "solutions"
 

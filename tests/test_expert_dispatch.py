@@ -1,13 +1,13 @@
 """Expert-parallel dispatch against the same MoE layer in one process, at 2 and 4 ranks: the
 output and every gradient (input, router, each expert wherever it lives), and the bytes the
-all-to-alls moved against ``dlab.estimate.expert``."""
+all-to-alls moved against ``dlab.theory.expert``."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import dlab
-from dlab.estimate import expert as est
+from dlab.theory import expert as est
 
 D, E, TOKENS = 8, 8, 12  # E divides by 4; TOKENS per rank
 

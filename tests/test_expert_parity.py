@@ -7,7 +7,7 @@ import pytest
 from helpers import TINY_GPT, assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError
+from dlab.core.config import ConfigError
 from dlab.models import model_config
 
 N_EXPERT = 4
@@ -36,7 +36,7 @@ def test_ep_trains_like_single_with_a_share_of_the_experts(k, world_size, runs_d
 
 
 def test_ep_refuses_what_cannot_be_split(runs_dir):
-    with pytest.raises(ConfigError, match="n_expert=6 does not split evenly over world_size=4"):
+    with pytest.raises(ConfigError, match="n_expert=6 does not split over ep=4"):
         dlab.launch("ep", 4, runs_dir=runs_dir, model="moe", model_options={"n_expert": 6})
     with pytest.raises(ConfigError, match="use model='moe'"):
         dlab.launch("ep", 2, runs_dir=runs_dir)

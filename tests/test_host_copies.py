@@ -1,4 +1,4 @@
-"""Host copies for the GPU path (``dlab.host_copies``) and checkpoints that hold host tensors
+"""Host copies for the GPU path (``dlab.comm.host``) and checkpoints that hold host tensors
 wherever they were written. The CUDA cases run only where a GPU is (``python -m dlab check``
 is the command that exercises the whole GPU path there)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlab import checkpoint
-from dlab.host_copies import host_copies_done, pinned, to_host
+from dlab.comm.host import host_copies_done, pinned, to_host
+from dlab.runtime import checkpoint
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from dlab.launch import free_port
+from dlab.procs.process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,8 +12,8 @@ import pytest
 from helpers import TINY_GPT, assert_same_training, losses
 
 import dlab
-from dlab.launch import free_port
-from dlab.runs import RunDir
+from dlab.core.rundir import RunDir
+from dlab.procs.process import free_port
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -33,7 +33,7 @@ def test_run_directory_holds_the_contract(runs_dir):
     for r in (0, 1):
         ms = run.metrics(r)
         assert [m["step"] for m in ms] == [0, 1, 2, 3]
-        assert set(ms[0]["memory"]) == set(dlab.metrics.CATEGORIES)
+        assert set(ms[0]["memory"]) == set(dlab.core.metrics.CATEGORIES)
         assert ms[0]["tokens"] == 8 * 32 and ms[0]["tokens_per_s"] > 0
         kinds = {e["kind"] for e in run.timeline(r)}
         assert {"forward", "backward", "optimizer", "step", "all_reduce"} <= kinds
@@ -82,7 +82,7 @@ def test_a_rendezvous_port_taken_before_torchrun_binds_it_is_retried(runs_dir, m
     """``free_port`` hands out a port that a stranger then listens on (the race it cannot
     close): the launcher sees the stranger within seconds, starts torchrun again on another
     port, and the run completes instead of waiting 10 minutes on the stranger."""
-    launch_module = sys.modules["dlab.launch"]
+    launch_module = sys.modules["dlab.procs.launch"]
     stranger = socket.socket()
     stranger.bind(("127.0.0.1", 0))
     stranger.listen()

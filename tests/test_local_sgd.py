@@ -9,7 +9,7 @@ costs here):
 - with H > 1, each rule trains exactly like a one-process simulation of N replicas written
   below from the papers' rules (not from the strategy's code), and every rank ends equal;
 - ``local-sgd`` averaging and PyTorch's ``PeriodicModelAverager`` train the same;
-- each step moves the bytes of ``dlab.estimate.local_sgd``: an all-reduce of the parameters on
+- each step moves the bytes of ``dlab.theory.local_sgd``: an all-reduce of the parameters on
   a sync step, nothing on the others;
 - over the run both end within a stated loss tolerance of ``ddp``.
 
@@ -25,11 +25,12 @@ import torch
 from helpers import TINY_GPT, assert_ranks_agree, assert_same_training, final_state, losses, max_param_diff
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.data import make_data, shard
-from dlab.estimate import comm as comm_model
-from dlab.estimate import local_sgd as est
+from dlab.comm import gloo as comm_model
+from dlab.core.config import ConfigError, RunConfig
 from dlab.models import model_config
+from dlab.models.data import make_data, shard
+from dlab.theory import local_sgd as est
+from dlab.worker.validate import validate
 
 #: 18 steps: a run long enough for the loss to move, and not a multiple of H = 4, so the
 #: forced final sync (steps 3, 7, 11, 15 and 17) is exercised
@@ -252,10 +253,10 @@ def test_torch_averager_schedule():
 ])
 def test_bad_options_are_refused_before_start(strategy, options, message):
     with pytest.raises(ConfigError, match=message):
-        RunConfig(strategy, world_size=2, options=options).validate()
+        validate(RunConfig(strategy, world_size=2, options=options))
 
 
 @pytest.mark.parametrize("strategy", ["local-sgd", "torch-local-sgd"])
 def test_checkpoints_are_refused(strategy):
     with pytest.raises(ConfigError, match="cannot save checkpoints"):
-        RunConfig(strategy, world_size=2, checkpoint_every=2).validate()
+        validate(RunConfig(strategy, world_size=2, checkpoint_every=2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlab.magic import RankError, cell_traceback
+from dlab.procs.cells import RankError, cell_traceback
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dlab.metrics import ActivationMeter, StoragePeak, model_state_memory, storage_bytes
+from dlab.core.metrics import ActivationMeter, StoragePeak, model_state_memory, storage_bytes
 from dlab.models import GPTConfig, MLPConfig, build
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from dlab.corpus import make_corpus
-from dlab.data import CORPUS, TokenData, shard
 from dlab.models import GPTConfig, build
+from dlab.models.corpus import make_corpus
+from dlab.models.data import CORPUS, TokenData, shard
 
 
 def test_parameter_count_formula_matches_the_module():

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from helpers import TINY_GPT, assert_same_training
 
 import dlab
-from dlab.bench.expert import experts_seconds, rank_rows
-from dlab.config import ConfigError
+from dlab.analysis.moe import experts_seconds, rank_rows
+from dlab.core.config import ConfigError
 from dlab.models import moe
 from dlab.models.moe import MoE, MoEConfig, drop_over_capacity
 
@@ -114,7 +114,7 @@ def test_ep_trains_like_single_with_each_option(options, world_size, runs_dir, r
 
 
 def test_moe_training_options_are_refused_where_not_built(runs_dir):
-    with pytest.raises(ConfigError, match="aux_loss are built for single and ep"):
+    with pytest.raises(ConfigError, match="aux_loss are built for ep and single"):
         dlab.launch("ddp", 2, runs_dir=runs_dir, **_moe(aux_loss=0.1))
     with pytest.raises(ConfigError, match="capacity_factor=-1 must be >= 0"):
         dlab.launch("ep", 2, runs_dir=runs_dir, **_moe(capacity_factor=-1))

@@ -12,9 +12,9 @@ import pytest
 from helpers import assert_same_training
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.estimate import nd
-from dlab.parallel.nd.layout import Layout
+from dlab.core.config import ConfigError, RunConfig
+from dlab.layout import Layout
+from dlab.theory import nd
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
@@ -53,14 +53,14 @@ def _id(case) -> str:
 def check(world, config, options, runs_dir, reference, reference_config=None):
     """Parity with ``single`` (trained as ``reference_config``, default ``config``), then every
     rank's model state, (GPT) bytes sent per step in total and by dimension, and activation peak
-    against ``dlab.estimate.nd``: state and bytes to the byte; activations to 2 % (the meter
+    against ``dlab.theory.nd``: state and bytes to the byte; activations to 2 % (the meter
     counts an index tensor by its whole storage, and a micro-batch's slice keeps the rank's
     batch; a missing layer would be 25 %)."""
     run = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, save_final=True,
                       options=options, **config)
     assert_same_training(run, reference(**(reference_config or config)))
     cfg = RunConfig.from_dict(run.config)
-    lay = Layout.from_config(cfg)
+    lay = Layout.from_options(cfg.options, cfg.world_size)
     mc = cfg.model_config()
     for r in range(world):
         pp_rank = r // (world // lay.pp)  # the mesh is row-major over (pp, dp, cp, tp)
@@ -105,7 +105,7 @@ def test_adam_state_without_zero_is_the_estimate(config, options, runs_dir):
     run = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, options=options,
                       **{**config, "optimizer": "adam", "steps": 1})
     cfg = RunConfig.from_dict(run.config)
-    lay, mc = Layout.from_config(cfg), cfg.model_config()
+    lay, mc = Layout.from_options(cfg.options, cfg.world_size), cfg.model_config()
     for r in range(4):
         want = nd.model_state(mc, lay, r // (4 // lay.pp), "adam")
         got = run.metrics(r)[-1]["memory"]
@@ -132,13 +132,13 @@ def test_recomputation_changes_nothing_but_memory_and_bytes(world, recompute, op
 
 @pytest.mark.parametrize("world,config,options,match", [
     (8, GPT, {"dp": 2, "pp": 2, "tp": 3}, "takes 12 ranks but world_size=8"),
-    (4, GPT, {"tp": 4}, "n_head=2 is not divisible by tp=4"),
-    (4, GPT, {"tp": 8}, "pp x cp x tp = 1 x 1 x 8 = 8 ranks does not divide world_size=4"),
+    (4, GPT, {"tp": 4}, "tp=4 must divide the model's 2 heads"),
+    (4, GPT, {"tp": 8}, "tp=8 takes 8 ranks, which does not divide world_size=4"),
     (4, {**GPT, "model_options": {**GPT["model_options"], "seq_len": 30}}, {"cp": 2},
      "seq_len=30 does not cut into 4 equal chunks"),
     (4, {**MOE, "model_options": {**MOE["model_options"], "n_expert": 3}}, {"ep": 2},
      "n_expert=3 does not split over ep=2"),
-    (4, GPT, {"ep": 2}, "use model='moe'"),
+    (4, GPT, {"ep": 2}, "splits the experts of a mixture of experts"),
     (4, GPT, {"pp": 4, "schedule": "interleaved"}, "8 stages but the model has n_layer=4"),
     (4, MOE, {"cp": 2, "tp": 2, "ep": 4, **SP}, "ep=4 folds onto the dp x cp = 2"),
     (4, MOE, {"tp": 2, "ep": 2}, "need sequence_parallel=True"),

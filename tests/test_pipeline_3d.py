@@ -1,16 +1,16 @@
 """3D parallelism: pipeline stages split by tensor parallelism, pipelines replicated by data
 parallelism (``pipeline-*`` with options ``tp`` and ``dp``). It trains exactly like ``single``
 (fp32 on Gloo, to 1e-5); every rank's parameters and bytes sent per step equal
-``dlab.estimate.hybrid``; impossible layouts are refused before any process starts."""
+``dlab.theory.hybrid``; impossible layouts are refused before any process starts."""
 from __future__ import annotations
 
 import pytest
 from helpers import assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError
-from dlab.estimate import hybrid, tensor
+from dlab.core.config import ConfigError
 from dlab.models.gpt import GPTConfig
+from dlab.theory import hybrid, tensor
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
@@ -18,7 +18,7 @@ GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
 # gpipe and interleaved share 1f1b's executor and stage modules (their own schedules are checked
 # in 2D by test_pipeline_parity.py): slow here, where 1f1b stands for them
 # pp 2 x tp 2 with 1f1b is slow too: notebook 06 trains this very layout against single (and
-# checks each rank's bytes against dlab.estimate.hybrid) under make test
+# checks each rank's bytes against dlab.theory.hybrid) under make test
 CASES = [pytest.param("1f1b", 4, {"tp": 2}, marks=pytest.mark.slow),  # pp 2 x tp 2
          pytest.param("gpipe", 4, {"tp": 2}, marks=pytest.mark.slow),
          pytest.param("interleaved", 4, {"tp": 2}, marks=pytest.mark.slow),  # 2 virtual stages
@@ -38,7 +38,7 @@ def test_3d_matches_single(schedule, world, options, runs_dir, reference):
     p = world // (t * d)
     blocks = cfg.n_layer // p  # equal blocks: partition by parameters splits them evenly
     for r in range(world):
-        stage = r // t % p  # the mesh is row-major over (dp, pp, tp)
+        stage = r // (t * d)  # the mesh is row-major over (pp, dp, tp): nd's order
         first, last = stage == 0, stage == p - 1
         want = hybrid.step_bytes(cfg, GPT["batch_size"], d, t, p, blocks, first, last)
         params = hybrid.stage_params(cfg, t, blocks, first, last, p)
@@ -49,7 +49,7 @@ def test_3d_matches_single(schedule, world, options, runs_dir, reference):
 
 @pytest.mark.parametrize("schedule,world,options,match", [
     ("1f1b", 4, {"tp": 3}, "does not divide world_size=4"),
-    ("1f1b", 4, {"tp": 4}, "n_head=2 is not divisible by tp=4"),
+    ("1f1b", 4, {"tp": 4}, "tp=4 must divide the model's 2 heads"),
     ("zbv", 4, {"tp": 2}, "tensor-parallel layers are not split"),
     ("1f1b", 4, {"tp": 0}, "tp must be a whole number >= 1"),
 ])

@@ -8,11 +8,11 @@ import pytest
 from helpers import assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError
-from dlab.estimate import pipeline as est
+from dlab.core.config import ConfigError
+from dlab.layout import schedules
 from dlab.models import model_config
-from dlab.parallel.pipeline import schedules
-from dlab.parallel.pipeline.simulate import bubble, bubble_of_ops
+from dlab.theory import pipeline as est
+from dlab.theory.simulate import bubble, bubble_of_ops
 
 # 8 blocks, so 4 ranks x 2 virtual stages each still get a block per stage.
 PIPE_GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
@@ -167,7 +167,7 @@ def test_receives_posted_ahead_are_refused_on_nccl():
     """A posted NCCL receive holds the stream the next send to that peer needs: two ranks that
     each post a receive first would wait on each other, so NCCL defaults to recv_ahead=0 and
     refuses more; Gloo defaults to one per receive stream, 2 x the stages per rank."""
-    from dlab.config import RunConfig
+    from dlab.core.config import RunConfig
     from dlab.parallel import get
 
     cls = get("pipeline-1f1b")

@@ -7,11 +7,12 @@ import itertools
 
 import pytest
 
-from dlab.estimate import pipeline as est
-from dlab.parallel.pipeline import schedules
-from dlab.parallel.pipeline.schedules import B, F, Schedule, _with_comms
-from dlab.parallel.pipeline.simulate import DeadlockError, bubble, simulate
-from dlab.parallel.pipeline.split import partition
+from dlab.layout import schedules
+from dlab.layout.schedules import B, F, Schedule, _with_comms
+from dlab.layout.stages import partition
+from dlab.theory import pipeline as est
+from dlab.theory import simulate as simulation
+from dlab.theory.simulate import DeadlockError, bubble, simulate
 
 GRID = [(name, p, m, v) for name in schedules.SCHEDULES
         for p, m, v in itertools.product(range(1, 6), range(1, 13), (1, 2, 3))]
@@ -31,7 +32,7 @@ def test_every_schedule_is_valid_over_a_grid(name):
         s = built(name, p, m, v)
         if s is None:
             continue
-        schedules.validate(s)
+        simulation.validate(s)
         count += 1
         # every rank ends with all its work done, and the simulation ran every action once
         events = simulate(s)
@@ -60,11 +61,11 @@ def test_validate_catches_broken_lists():
     no_send = [list(a) for a in good.actions]
     no_send[0] = [a for a in no_send[0] if not (a.kind == "send" and a.mb == 1)]
     with pytest.raises(ValueError, match="never sends"):
-        schedules.validate(Schedule("x", 2, 2, 2, (0, 1), no_send))
+        simulation.validate(Schedule("x", 2, 2, 2, (0, 1), no_send))
     # a backward listed before its forward
     orders = [[F(0, 0), B(0, 0)], [B(1, 0), F(1, 0)]]
     with pytest.raises(ValueError, match="out of order"):
-        schedules.validate(Schedule("x", 2, 1, 2, (0, 1), _with_comms(orders, (0, 1))))
+        simulation.validate(Schedule("x", 2, 1, 2, (0, 1), _with_comms(orders, (0, 1))))
     send, recv = schedules.Action("send", 0, 0, 1), schedules.Action("recv", 0, 0, 1)
     rank1 = [schedules.Action("recv", 1, 0, 0), F(1, 0), B(1, 0), schedules.Action("send", 1, 0, 0)]
     fine = [[F(0, 0), send, recv, B(0, 0)], rank1]
@@ -152,7 +153,7 @@ def test_time_costs_measure_every_piece():
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", "zbv"])
 def test_replay_of_a_timeline_reproduces_it(name):
     """Replaying a timeline at its own mean op times per stage gives it back."""
-    from dlab.parallel.pipeline.simulate import replay
+    from dlab.theory.simulate import replay
 
     s = schedules.build(name, 4, 8, 2 if name != "1f1b" else 1)
     original = [dict(e, start=e["start"] + 5.0, end=e["end"] + 5.0)
@@ -168,7 +169,7 @@ def test_replay_keeps_a_slow_stage_slow(name):
     """Stage 1 twice as slow as the others: the replay at each stage's own mean times has the
     bubble of that timeline, well above the closed form that equal stages (or one mean pooled
     over every rank) would give."""
-    from dlab.parallel.pipeline.simulate import replay
+    from dlab.theory.simulate import replay
 
     v = 2 if name == "interleaved" else 1
     s = schedules.build(name, 4, 8, v)
@@ -182,7 +183,7 @@ def test_replay_keeps_a_slow_stage_slow(name):
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
 def test_replay_at_each_ops_own_time_reproduces_a_timeline(name):
-    from dlab.parallel.pipeline.simulate import replay_ops
+    from dlab.theory.simulate import replay_ops
 
     v = 2 if name in ("interleaved", "zbv") else 1
     s = schedules.build(name, 4, 8, v)
@@ -201,7 +202,7 @@ def test_jitter_around_the_same_mean_adds_bubble(name):
     neighbour op by op, so the bubble at each op's own time is larger still, in every draw."""
     import random
 
-    from dlab.parallel.pipeline.simulate import bubble_of_ops, replay
+    from dlab.theory.simulate import bubble_of_ops, replay
 
     v = 2 if name == "zbv" else 1
     s = schedules.build(name, 4, 8, v)

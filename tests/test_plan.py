@@ -1,7 +1,7 @@
 """The planner against the papers' own figures and formulas, and its search against brute force.
 
 The ZeRO paper's model-state figures and Korthikanti et al.'s activation formulas are closed
-forms written in the papers; ``dlab.plan.memory`` counts per category and tensor by tensor, so
+forms written in the papers; ``dlab.theory.plan.memory`` counts per category and tensor by tensor, so
 their agreement checks the count, not a formula against itself. Parameter counts are the
 published sizes of the presets.
 """
@@ -13,8 +13,16 @@ import json
 import pytest
 
 from dlab.plan import PlanError, PlanLayout, clusters, models, plan
-from dlab.plan.memory import activations, layer_bytes, layer_terms, model_state, rank_params, state_bytes
-from dlab.plan.search import layouts, pareto, search
+from dlab.theory.comm import AlphaBeta
+from dlab.theory.plan.memory import (
+    activations,
+    layer_activation_terms,
+    layer_bytes,
+    model_state,
+    rank_params,
+    state_bytes,
+)
+from dlab.theory.plan.search import layouts, pareto, search
 
 GB = 1e9
 
@@ -66,7 +74,7 @@ SBH = S * B * H
     (T, True, "full", 2 * SBH / T),
 ])
 def test_korthikanti_activations_per_layer(tp, sp, recompute, formula):
-    lay = PlanLayout(tp=tp, sp=sp, recompute=recompute, attention="math")
+    lay = PlanLayout(tp=tp, sequence_parallel=sp, recompute=recompute, attention="math")
     assert layer_bytes(GPT3, lay, B, S)[0] == pytest.approx(formula, rel=1e-12)
 
 
@@ -74,18 +82,18 @@ def test_korthikanti_first_pipeline_stage_holds_L_layers_worth():
     """Sec. 4.2.3: 1F1B's first stage keeps p micro-batches of its L / p layers, sbhL/t (34 +
     5as/h) with tensor and sequence parallelism, plus the embedding's dropout mask (sbh/t each)."""
     p = 8
-    lay = PlanLayout(tp=T, pp=p, sp=True, micro_batch=B, attention="math")
+    lay = PlanLayout(tp=T, pp=p, sequence_parallel=True, micro_batch=B, attention="math")
     got = activations(GPT3, lay, global_batch=64, seq_len=S, pp_rank=0)
     assert got - p * SBH / T == pytest.approx(SBH * GPT3.n_layer / T * (34 + 5 * A * S / H), rel=1e-12)
 
 
 def test_flash_attention_keeps_no_s_squared_term_and_gqa_shrinks_k_v():
     spec = models.preset("llama3-70b")
-    flash = layer_terms(spec, PlanLayout(), 1, 8192)
+    flash = layer_activation_terms(spec, PlanLayout(), 1, 8192)
     assert "softmax" not in flash and flash["log-sum-exp"] == 4 * spec.n_head * 8192
     assert flash["k, v"] == pytest.approx(flash["q"] * 2 * spec.n_kv_head / spec.n_head)
     # 8 KV heads over tp 16: each rank keeps one head's K and V whole (replicated), not half
-    wide = layer_terms(spec, PlanLayout(tp=16), 1, 8192)
+    wide = layer_activation_terms(spec, PlanLayout(tp=16), 1, 8192)
     assert wide["k, v"] == pytest.approx(2 * 2 * 8192 * spec.kv_width / spec.n_kv_head)
 
 
@@ -93,24 +101,24 @@ LLAMA70, H100 = models.preset("llama3-70b"), clusters.preset("h100-sxm")
 
 
 def test_data_parallelism_divides_compute_and_tp_across_nodes_costs_more():
-    one = plan(LLAMA70, H100, PlanLayout(dp=8, tp=8, pp=4, zero=1, sp=True), 256, 4096)
-    two = plan(LLAMA70, H100, PlanLayout(dp=16, tp=8, pp=4, zero=1, sp=True), 256, 4096)
+    one = plan(LLAMA70, H100, PlanLayout(dp=8, tp=8, pp=4, zero=1, sequence_parallel=True), 256, 4096)
+    two = plan(LLAMA70, H100, PlanLayout(dp=16, tp=8, pp=4, zero=1, sequence_parallel=True), 256, 4096)
     assert two.time["compute"] == pytest.approx(one.time["compute"] / 2)
-    inside = plan(LLAMA70, H100, PlanLayout(dp=2, tp=8, pp=8, zero=1, sp=True), 64, 4096)
-    across = plan(LLAMA70, H100, PlanLayout(dp=1, tp=16, pp=8, zero=1, sp=True), 64, 4096)
+    inside = plan(LLAMA70, H100, PlanLayout(dp=2, tp=8, pp=8, zero=1, sequence_parallel=True), 64, 4096)
+    across = plan(LLAMA70, H100, PlanLayout(dp=1, tp=16, pp=8, zero=1, sequence_parallel=True), 64, 4096)
     assert across.time["tp_comm"] > 5 * inside.time["tp_comm"]
 
 
 def test_bubble_is_the_schedules_idle_share_when_nothing_else_costs():
-    fast = dataclasses.replace(H100, intra=clusters.Link(1e30, 0.0), inter=clusters.Link(1e30, 0.0),
+    fast = dataclasses.replace(H100, intra=AlphaBeta.link(1e30, 0.0), inter=AlphaBeta.link(1e30, 0.0),
                                hbm=1e30)
-    lay = PlanLayout(tp=8, pp=4, sp=True)
+    lay = PlanLayout(tp=8, pp=4, sequence_parallel=True)
     p = plan(LLAMA70, fast, lay, 16, 4096)  # 16 micro-batches
     assert p.time["bubble"] / p.step_s == pytest.approx(3 / (16 + 3), rel=1e-3)
 
 
 def test_recomputation_trades_time_for_memory():
-    base = PlanLayout(dp=8, tp=8, pp=2, zero=1, sp=True)
+    base = PlanLayout(dp=8, tp=8, pp=2, zero=1, sequence_parallel=True)
     runs = {rc: plan(LLAMA70, H100, dataclasses.replace(base, recompute=rc), 128, 8192)
             for rc in ("none", "selective", "full")}
     assert runs["full"].memory["activations"] < runs["selective"].memory["activations"] \
@@ -124,7 +132,7 @@ def test_selective_recomputation_runs_a_math_cores_softmax_and_dropout_again():
     # the scores' element-wise work is what a math core adds to the forward, and what selective
     # recomputation (Korthikanti et al. 2022, sec. 5) runs again in backward
     gpt = models.preset("gpt3-175b")
-    lay = PlanLayout(tp=8, pp=8, sp=True, recompute="selective")
+    lay = PlanLayout(tp=8, pp=8, sequence_parallel=True, recompute="selective")
     runs = {a: plan(gpt, clusters.preset("a100-80gb"), dataclasses.replace(lay, attention=a), 64, 2048)
             for a in ("flash", "math")}
     added = runs["math"].time["compute"] - runs["flash"].time["compute"]
@@ -160,11 +168,11 @@ def test_without_grad_overlap_only_the_reduction_shows_and_zero3_gathers_still_h
 
 
 def test_bad_layouts_are_refused_with_what_to_change():
-    with pytest.raises(PlanError, match="must divide the 64 heads"):
+    with pytest.raises(PlanError, match="must divide the model.s 64 heads"):
         plan(LLAMA70, H100, PlanLayout(tp=3), 8, 4096)
     with pytest.raises(PlanError, match="pick a multiple of 16"):
         plan(LLAMA70, H100, PlanLayout(dp=16), 24, 4096)
-    with pytest.raises(PlanError, match="needs a mixture-of-experts"):
+    with pytest.raises(PlanError, match="splits the experts of a mixture of experts"):
         plan(LLAMA70, H100, PlanLayout(dp=2, ep=2), 8, 4096)
 
 
@@ -193,7 +201,7 @@ def test_70b_on_1024_h100s_ranks_a_layout_a_practitioner_recognises():
 
 
 def test_cli_ranks_and_refuses_bad_input(capsys):
-    from dlab.__main__ import main
+    from dlab.cli.main import main
     assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--batch", "64", "--seq", "2048",
                  "--top", "3"]) == 0
     out = capsys.readouterr().out
@@ -206,13 +214,14 @@ def test_cli_ranks_and_refuses_bad_input(capsys):
     assert "does not divide --gpus 48" in capsys.readouterr().err
     assert main(["plan", "--layout", "tp=8,grad_overlap=maybe"]) == 2
     assert "write grad_overlap=1 or grad_overlap=0" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-8b", "--layout", "tp=8,grad_overlap=off,sp=on"]) == 0
+    assert main(["plan", "--model", "llama3-8b", "--layout",
+                 "tp=8,grad_overlap=off,sequence_parallel=on"]) == 0
     out = capsys.readouterr().out
     assert "tp8 sp" in out and "not overlapped with backward" in out
 
 
 def test_cli_prints_the_published_rows_beside_their_predictions(capsys, tmp_path):
-    from dlab.__main__ import main
+    from dlab.cli.main import main
     from dlab.plan import published
     out_file = tmp_path / "published.json"
     assert main(["plan", "--published", "--json", str(out_file)]) == 0

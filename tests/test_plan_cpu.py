@@ -11,19 +11,20 @@ import pytest
 import dlab
 from dlab.bench.nd import BATCH, MODEL
 from dlab.bench.plan import plan_layout
+from dlab.layout import tokens as cp_layout
 from dlab.models.gpt import GPTConfig
-from dlab.parallel.context import layout as cp_layout
 from dlab.parallel.context.attention import visible_tiles
 from dlab.plan import clusters, plan
-from dlab.plan.spec import from_gpt
+from dlab.theory.comm import AlphaBeta
+from dlab.theory.plan.spec import from_gpt
 
 LAB = from_gpt(GPTConfig(**MODEL))
 # a CPU with measured-looking constants: every op the lab uses costs 1 ms of CPU a call plus
 # 1 ns a byte, whatever the group; the ranks fill 80 % of the cores' time
 CALLS = tuple((op, g, 1e-3, 1e-9) for op in ("all_reduce", "all_gather", "reduce_scatter", "ring")
               for g in (2, 4, 8))
-CPU = clusters.Cluster("test CPU", 5e10, 24e9, 10e9, 1 << 20, clusters.Link(1e9, 1e-5),
-                       clusters.Link(1e9, 1e-5), 1.0, 1.0, reserved=0.0, cores=2,
+CPU = clusters.Cluster("test CPU", 5e10, 24e9, 10e9, 1 << 20, AlphaBeta.link(1e9, 1e-5),
+                       AlphaBeta.link(1e9, 1e-5), 1.0, 1.0, reserved=0.0, cores=2,
                        layer_overhead=5e-4, ring_tile=(1.5e-4, 2e-8), calls=CALLS, utilization=0.8)
 
 

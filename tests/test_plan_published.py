@@ -71,8 +71,8 @@ def test_the_plan_counts_the_collectives_a_run_makes(options, tmp_path):
     cost, so the count per dimension must be the run's: each rank's calls per step, as its comm
     meter booked them, against ``collective_calls`` for its pipeline stage."""
     from dlab.models.gpt import GPTConfig
-    from dlab.plan import time as tm
-    from dlab.plan.spec import from_gpt
+    from dlab.theory.plan import time as tm
+    from dlab.theory.plan.spec import from_gpt
     lay = plan_layout(options)
     run = dlab.launch("nd", 4, runs_dir=tmp_path, wait=True, model_options=MODEL, options=options,
                       batch_size=BATCH, steps=2)
@@ -81,7 +81,7 @@ def test_the_plan_counts_the_collectives_a_run_makes(options, tmp_path):
     for rank in range(4):
         pp_rank = rank // (4 // lay.pp)
         layers = tm.layers_on(spec, lay, pp_rank)
-        want = tm.collective_calls(lay, lay.microbatches(BATCH), layers, pp_rank, 1.0, 1.0, 1.0,
+        want = tm.collective_calls(lay, lay.for_batch(BATCH).microbatches, layers, pp_rank, 1.0, 1.0, 1.0,
                                    boundary=1.0, tied=1.0)
         booked = run.metrics(rank)[-1]["comm_by_dim"]
         for dim, calls in want.items():
@@ -95,7 +95,7 @@ def test_with_ranks_outnumbering_cores_a_collective_costs_far_more_than_its_wire
     size; an all-reduce over 4 ranks burns each rank's CPU for over 5x what the fitted link
     says it takes on the wire (the hand-offs between processes sharing cores, not the bytes, are
     the cost); the ranks fill part of the cores' time, not more than all of it."""
-    from dlab.plan import calibrate
+    from dlab.tools import calibrate
     probe = calibrate.collective_probe(4, repeats=5, trials=1, runs_dir=tmp_path)
     assert {(op, g) for op, g, _, _ in probe.calls} == {(op, g) for op in calibrate.OPS for g in (2, 4)}
     assert 0.3 < probe.utilization <= 1.0

@@ -1,4 +1,4 @@
-"""Theory beside measurement in the dashboard's figure (``dlab.plots``): the bubble panel's
+"""Theory beside measurement in the dashboard's figure (``dlab.ui.plots``): the bubble panel's
 formula and simulations, the model state beside the measured memory, the bytes panels' model
 and wire figures named as such, and a timeline legend in the bars' colours, clear of the bars."""
 from __future__ import annotations
@@ -9,8 +9,10 @@ from matplotlib.colors import to_hex
 from test_dashboard import record_pipeline_run
 
 import dlab
-from dlab.estimate.memory import model_units, zero_memory
-from dlab.plots import KIND_COLORS, MiB, compare, plot
+from dlab.theory.memory import model_units, zero_memory
+from dlab.ui.figure import KIND_COLORS, MiB
+from dlab.ui.gantt import WAIT_COLOR, WAITING, WAITS
+from dlab.ui.plots import compare, plot
 
 P, M = 2, 8
 
@@ -70,14 +72,18 @@ def test_timeline_legend_has_the_bars_colours_and_keeps_off_them(one_f_one_b):
     ax = axes_titled(fig, "timeline of step")
     step = int(ax.get_title().split()[3])
     shown = [e for e in run.timeline() if e["step"] == step and e["kind"] != "step"]
+    # a transfer is drawn as the wait it cost (a thin red bar), every other kind as its own bar
+    waits = [e for e in shown if e["kind"] in WAITS and e["end"] > e["start"]]
+    drawn = {e["kind"] for e in shown if e["kind"] not in WAITS} | ({WAITING} if waits else set())
     bar_colors = [to_hex(p.get_facecolor()) for p in ax.patches]
     legend = ax.get_legend()
     kinds = [t.get_text() for t in legend.get_texts()]
-    assert set(kinds) == {e["kind"] for e in shown}
+    assert set(kinds) == drawn
     for kind, handle in zip(kinds, legend.legend_handles, strict=True):
         color = to_hex(handle.get_facecolor())
-        assert color == KIND_COLORS[kind]
-        assert bar_colors.count(color) == sum(e["kind"] == kind for e in shown), kind
+        assert color == (WAIT_COLOR if kind == WAITING else KIND_COLORS[kind])
+        count = len(waits) if kind == WAITING else sum(e["kind"] == kind for e in shown)
+        assert bar_colors.count(color) == count, kind
     fig.draw_without_rendering()  # lays the figure out, as saving it does
     for panel in (ax, axes_titled(fig, "bubble"), axes_titled(fig, "memory")):
         box = panel.get_legend().get_window_extent()
@@ -107,10 +113,29 @@ def test_memory_panel_shows_the_model_state_beside_the_measured_bars(strategy, t
     assert max(p.get_y() + p.get_height() for p in model) == pytest.approx(want)
 
 
-def test_a_pipeline_run_has_no_model_state_bars(one_f_one_b):
-    """``dlab.estimate`` has no per-rank optimizer formula for pipeline stages: nothing drawn."""
-    _, fig = one_f_one_b
-    assert not [p for p in axes_titled(fig, "memory").patches if p.get_gid() == "model"]
+def test_a_pipeline_run_shows_each_stage_its_own_model_state(one_f_one_b):
+    """A ``pipeline-*`` run states its theory as ``nd`` does (``dlab.theory.nd.model_state`` of
+    each rank's stage): one hatched bar per rank, at that rank's measured model state."""
+    run, fig = one_f_one_b
+    ax = axes_titled(fig, "memory")
+    model = [p for p in ax.patches if p.get_gid() == "model"]
+    assert len(model) == P * 5
+    for r in range(P):
+        measured = run.metrics(r)[-1]["memory"]
+        want = sum(measured[k] for k in ("parameters", "gradients", "optimizer")) / MiB
+        tops = [p.get_y() + p.get_height() for p in model[5 * r:5 * r + 5]]
+        assert max(tops) == pytest.approx(want), r
+
+
+def test_an_nd_run_with_a_pipeline_has_the_bubble_panel(tmp_path):
+    """``nd`` with pp > 1 pipelines: its figure has the bubble panel with the schedule's formula
+    (it states its pipeline as ``pipeline-*`` does; no table of names decides it)."""
+    run = dlab.launch("nd", 2, runs_dir=tmp_path / "runs", wait=True,
+                      options={"pp": 2, "microbatches": 4}, **TINY_GPT)
+    ax = axes_titled(plot(run), "bubble")
+    assert "1f1b p=2 m=4" in ax.get_title()
+    (formula,) = [line for line in ax.get_lines() if line.get_label().startswith("formula (model)")]
+    assert formula.get_ydata()[0] == pytest.approx(100 * 1 / 5)
 
 
 def test_bytes_panels_name_the_model_and_the_wire(tmp_path):

@@ -1,4 +1,4 @@
-"""The warm rank pool (``dlab.pool``, ``%dist_start``): variables live on every rank from cell
+"""The warm rank pool (``dlab.procs.pool``, ``%dist_start``): variables live on every rank from cell
 to cell; a raising cell names its rank and the pool lives on; a hung or interrupted cell
 returns control within seconds and the pool works again; a killed kernel leaves no rank."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 import psutil
 import pytest
 
-from dlab.magic import RankError
-from dlab.pool import PoolRestarted, RankPool
+from dlab.procs.cells import RankError
+from dlab.procs.pool import PoolRestarted, RankPool
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_a_cell_past_its_timeout_returns_and_the_pool_recovers(pool):
 
 KERNEL = """
 import json, sys, time
-from dlab.pool import RankPool
+from dlab.procs.pool import RankPool
 pool = RankPool(2, log_dir=sys.argv[1])
 print(json.dumps(pool.pids), flush=True)
 time.sleep(600)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import dlab
-from dlab.runs import CorruptRunFile, JsonlTail, RunDir
+from dlab.core.rundir import CorruptRunFile, JsonlTail, RunDir
 
 
 def _record(step: int) -> str:

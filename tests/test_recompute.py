@@ -5,7 +5,7 @@
   recomputation (pipeline-1f1b and ep by default, tp with sequence parallelism through nd's
   case in tests/test_nd_parity.py; tp, zero3, ddp and more under slow);
 - ``ActivationMeter`` counts what it keeps, equal to the byte to the count derived from the code
-  (``dlab.estimate.activations``); full recompute keeps exactly the blocks' inputs;
+  (``dlab.theory.activations``); full recompute keeps exactly the blocks' inputs;
 - ``hardware_flops_per_token`` adds exactly the recomputed forwards, as ``FlopCounterMode``
   counts them; runs report HFU beside MFU;
 - a checkpoint loads under any recomputation setting.
@@ -18,10 +18,12 @@ from helpers import assert_same_training, losses
 from torch.utils.flop_counter import FlopCounterMode
 
 import dlab
-from dlab import checkpoint, models
-from dlab.config import RunConfig
-from dlab.estimate.activations import activation_bytes
-from dlab.metrics import ActivationMeter
+from dlab import models
+from dlab.core.config import RunConfig
+from dlab.core.metrics import ActivationMeter
+from dlab.runtime import checkpoint
+from dlab.theory.activations import activation_bytes
+from dlab.worker.validate import problems
 
 MODES = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
 
@@ -196,8 +198,8 @@ def test_hfu_formula_for_full_recompute_adds_one_forward_of_the_blocks():
     ({"attention_core": "flash"}, "attention_core must be one of 'fused', 'math'"),
 ])
 def test_bad_recompute_options_are_refused_saying_what_to_change(options, says):
-    problems = RunConfig("single", world_size=1, model_options={"n_layer": 2, **options}).problems()
-    assert any(says in p for p in problems), problems
+    found = problems(RunConfig("single", world_size=1, model_options={"n_layer": 2, **options}))
+    assert any(says in p for p in found), found
 
 
 def _checkpoint(tmp_path, **model_options):
@@ -221,13 +223,13 @@ def test_a_checkpoint_loads_under_any_recompute_setting(tmp_path):
     for opts in ({"recompute": "full", "recompute_every": 2}, {"recompute": "selective"},
                  {"attention_core": "math"}):
         cfg = RunConfig("single", world_size=1, steps=4, resume=str(saved), model_options=opts)
-        assert cfg.problems() == [], (opts, cfg.problems())
+        assert problems(cfg) == [], (opts, problems(cfg))
     saved = _checkpoint(tmp_path / "b", recompute="full")
-    assert RunConfig("single", world_size=1, steps=4, resume=str(saved)).problems() == []
+    assert problems(RunConfig("single", world_size=1, steps=4, resume=str(saved))) == []
     # a difference in the parameters is still refused
-    problems = RunConfig("single", world_size=1, steps=4, resume=str(saved),
-                         model_options={"n_layer": 1}).problems()
-    assert any("checkpoint has n_layer=2, this run n_layer=1" in p for p in problems), problems
+    found = problems(RunConfig("single", world_size=1, steps=4, resume=str(saved),
+                         model_options={"n_layer": 1}))
+    assert any("checkpoint has n_layer=2, this run n_layer=1" in p for p in found), found
 
 
 # --- every strategy that runs the GPT, against single without recomputation ---------------------

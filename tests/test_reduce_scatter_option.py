@@ -8,9 +8,10 @@ import pytest
 from helpers import assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.estimate import comm as model
-from dlab.estimate.memory import model_units, zero_wire_bytes
+from dlab.comm import gloo as model
+from dlab.core.config import ConfigError, RunConfig
+from dlab.theory.memory import model_units, zero_wire_bytes
+from dlab.worker.validate import validate
 
 UNEVEN = {"model": "gpt", "batch_size": 8, "steps": 3,
           "model_options": {"n_layer": 3, "d_model": 31, "n_head": 1, "seq_len": 32}}
@@ -77,8 +78,8 @@ def test_sequence_parallel_reduce_scatter_option(n, runs_dir, reference):
 def test_bad_reduce_scatter_option_is_refused():
     for strategy in ("zero2", "tp", "cp"):
         with pytest.raises(ConfigError, match="reduce_scatter"):
-            RunConfig(strategy=strategy, world_size=2, model="gpt",
-                      options={"reduce_scatter": "tree"}).validate()
+            validate(RunConfig(strategy=strategy, world_size=2, model="gpt",
+                      options={"reduce_scatter": "tree"}))
 
 
 CP_GPT = {"model": "gpt", "batch_size": 8, "steps": 4,

@@ -50,7 +50,7 @@ def test_cli_env_reports_backends():
 
 
 def test_env_says_what_sharing_cores_does_to_timings():
-    from dlab.env import sharing
+    from dlab.cli.env import sharing
     assert sharing((2, 4), 4) is None  # a core per rank: nothing to say
     note = sharing((2, 4, 8), 2)
     assert "share the 2 cores" in note and "4 ranks up to 2.0x, 8 ranks up to 4.0x" in note

@@ -16,9 +16,9 @@ import torch
 from helpers import TINY_GPT, assert_ranks_agree, final_state
 
 import dlab
-from dlab.config import ConfigError, RunConfig
-from dlab.data import make_data, shard
+from dlab.core.config import ConfigError, RunConfig
 from dlab.models import build
+from dlab.models.data import make_data, shard
 
 DELAY = 0.25  # far above a tiny-GPT step (~10-20 ms here), so timing checks have a wide margin
 

@@ -2,7 +2,7 @@
 column- then row-parallel linears against two ``nn.Linear`` (outputs and every gradient), with
 and without sequence parallelism; the vocabulary-parallel embedding and cross-entropy against
 ``nn.Embedding`` and ``F.cross_entropy``; the bytes one layer moves and the activation bytes the
-model saves against ``dlab.estimate.tensor``. Config checks refuse what cannot be split."""
+model saves against ``dlab.theory.tensor``. Config checks refuse what cannot be split."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dlab
-from dlab.config import ConfigError
+from dlab.core.config import ConfigError
 
 B, S, D, FF, V = 2, 8, 12, 16, 32  # every size divides by 4
 
@@ -91,9 +91,9 @@ def _vocab_parallel(comm, sp: bool) -> dict[str, float]:
 def _model_bytes_and_memory(comm, sp: bool) -> dict[str, float]:
     """One transformer layer's bytes, and the whole model's saved activations, measured."""
     from dlab import models
-    from dlab.estimate import tensor as est
-    from dlab.metrics import ActivationMeter
+    from dlab.core.metrics import ActivationMeter
     from dlab.parallel.tensor.model import TensorParallelGPT
+    from dlab.theory import tensor as est
 
     opts = {"n_layer": 2, "d_model": 16, "n_head": 4, "seq_len": 8, "vocab_size": 32}
     model = TensorParallelGPT(models.build("gpt", opts, 0), comm, sp)
@@ -159,7 +159,7 @@ def _all_checks() -> dict:
 # the 4-way split runs the same code as the 2-way one: slow, like the 4-rank tp parity cases
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_parallel_layers_match_their_originals(world_size, runs_dir):
-    from dlab.estimate.tensor import layer_bytes
+    from dlab.theory.tensor import layer_bytes
 
     results = dlab.spawn(_all_checks, world_size, runs_dir=runs_dir)
     t = world_size
@@ -181,12 +181,12 @@ def test_parallel_layers_match_their_originals(world_size, runs_dir):
 
 
 @pytest.mark.parametrize("options,model_options,expect", [
-    ({"tp": 3}, {"n_head": 3, "d_model": 24}, "world_size=4 is not a multiple of tp=3"),
-    ({"tp": 4}, {"n_head": 2}, "n_head=2 is not divisible by tp=4"),
+    ({"tp": 3}, {"n_head": 3, "d_model": 24}, "tp=3 takes 3 ranks, which does not divide world_size=4"),
+    ({"tp": 4}, {"n_head": 2}, "tp=4 must divide the model's 2 heads"),
     ({"tp": 4}, {"n_head": 4, "d_ff": 66}, "d_ff=66 is not divisible by tp=4"),
     ({"tp": 4}, {"n_head": 4, "vocab_size": 258}, "vocab_size=258 is not divisible by tp=4"),
     ({"tp": 4, "sequence_parallel": True}, {"n_head": 4, "seq_len": 30},
-     "seq_len=30 is not divisible by tp=4"),
+     "splits the 30 tokens over tp=4"),
     ({"tp": 4, "overlap": True}, {}, "unknown option(s) ['overlap']"),
 ])
 def test_configs_that_cannot_split_are_refused(options, model_options, expect, runs_dir):
@@ -199,7 +199,7 @@ def test_configs_that_cannot_split_are_refused(options, model_options, expect, r
 def test_korthikanti_formula_has_the_papers_shape():
     """Korthikanti et al. eq. 2-4: sequence parallelism divides the whole layer by t; tensor
     parallelism alone leaves 10 s b h bytes (norms, linear inputs, dropout masks) undivided."""
-    from dlab.estimate.tensor import korthikanti_layer_bytes as k
+    from dlab.theory.tensor import korthikanti_layer_bytes as k
 
     opts = {"d_model": 64, "n_head": 4, "seq_len": 128}
     s, b, h, a = 128, 2, 64, 4

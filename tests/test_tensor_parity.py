@@ -13,9 +13,9 @@ import pytest
 from helpers import assert_same_training, losses
 
 import dlab
-from dlab.config import ConfigError
-from dlab.estimate.tensor import activation_bytes, local_params, step_bytes
+from dlab.core.config import ConfigError
 from dlab.models.gpt import GPTConfig
+from dlab.theory.tensor import activation_bytes, local_params, step_bytes
 
 # n_head=4 so the heads split over tp=4; d_ff=128, vocab 256 and seq_len 32 divide by 4 too.
 TP_GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
@@ -40,7 +40,7 @@ def test_tp_matches_single(world_size, options, runs_dir, reference):
     # bytes moved per step, measured by the counting Comm, equal the formula on every rank
     tp, sp = options["tp"], options.get("sequence_parallel", False)
     want = step_bytes(TP_GPT["model_options"], TP_GPT["batch_size"], tp, world_size // tp, sp)
-    # and the activations each rank saved for backward equal the count in dlab.estimate
+    # and the activations each rank saved for backward equal the count in dlab.theory
     saved = activation_bytes(TP_GPT["model_options"], TP_GPT["batch_size"] // (world_size // tp),
                              tp, sp)["total"]
     for r in range(world_size):
@@ -56,7 +56,7 @@ def test_tp_matches_single(world_size, options, runs_dir, reference):
 def test_torch_tp_peer_matches_single(world_size, options, runs_dir, reference):
     """The peer the benchmark compares against trains the same model to the same numbers, and
     splits it as ``tp`` does, the vocabulary included: every rank holds the parameters
-    ``dlab.estimate.tensor`` counts for a tensor-parallel rank (the token embedding's V/t rows,
+    ``dlab.theory.tensor`` counts for a tensor-parallel rank (the token embedding's V/t rows,
     tied to the head), not a replicated embedding and head."""
     run = dlab.launch("torch-tp", world_size, runs_dir=runs_dir, wait=True, save_final=True,
                       options=options, **TP_GPT)

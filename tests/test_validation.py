@@ -14,8 +14,8 @@ from helpers import TINY_GPT
 
 import dlab
 from dlab import models, parallel
-from dlab.__main__ import main
-from dlab.config import FIELDS
+from dlab.cli.main import main
+from dlab.core.config import FIELDS
 
 BAD_BY_KIND = {
     "int": ["x", 1.5, True, None],

@@ -1,7 +1,7 @@
 """Measured wire bytes (``dlab.comm.wire``: the process's ``wchar``) against what Gloo's real
 algorithms send, and against what dlab's hand-written algorithms count, at 2 and 4 ranks.
 
-The Gloo formulas (``dlab.estimate.comm.gloo_*``) come from gloo's source: payload as the
+The Gloo formulas (``dlab.comm.gloo``) come from gloo's source: payload as the
 algorithm moves it, plus 96 bytes per message sent and 48 per message received (the tcp
 transport's preambles). Sizes: 4 KiB and 4 MiB split evenly into Gloo's segments (2N segments
 of S/2N, and 1 MiB or 512 KiB segments); 4004 bytes does not (its last segments are short or
@@ -35,8 +35,8 @@ def backend_cases() -> dict:
     import torch
     import torch.distributed as dist
 
+    from dlab.comm import gloo as model
     from dlab.comm.instrumented import Comm
-    from dlab.estimate import comm as model
 
     comm, n, r = Comm(), dist.get_world_size(), dist.get_rank()
     got = {}
@@ -86,10 +86,10 @@ def algorithm_cases() -> dict:
     """dlab's hand-written algorithms: their own count plus Gloo's framing, against the wire."""
     import torch
 
+    from dlab.comm import gloo as model
     from dlab.comm.algorithms import ALGORITHMS
     from dlab.comm.algorithms.collectives import all_gather, all_to_all, broadcast, reduce_scatter
     from dlab.comm.instrumented import Comm
-    from dlab.estimate import comm as model
 
     comm = Comm()
     n, got = comm.size, {}
@@ -127,9 +127,9 @@ def overlap_and_exclusion_cases(tmp: str) -> dict:
 
     import torch
 
+    from dlab.comm import gloo as model
     from dlab.comm.instrumented import Comm
     from dlab.comm.wire import meter
-    from dlab.estimate import comm as model
 
     comm = Comm()
     n, r, s = comm.size, comm.rank, 1 << 20
@@ -226,14 +226,14 @@ def test_busy_periods_and_off_wire_threads(world_size, runs_dir, tmp_path):
 def test_async_checkpoint_thread_stays_off_the_wire(runs_dir):
     """zero2 saving a checkpoint after every step from its writer thread, while the next step
     runs: every step's measured bytes are still exactly Gloo's for the step."""
-    from dlab.estimate.memory import model_units, zero_wire_bytes
+    from dlab.theory.memory import model_units, zero_wire_bytes
 
     config = {"model": "gpt", "batch_size": 8, "steps": 4,
               "model_options": {"n_layer": 3, "d_model": 64, "n_head": 2, "seq_len": 32}}
     run = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, checkpoint_every=1,
                       checkpoint_async=True, **config)
     units = model_units("gpt", config["model_options"])
-    from dlab.estimate import comm as model
+    from dlab.comm import gloo as model
     for r in range(2):
         want = zero_wire_bytes(units, 2, r, 2) + model.gloo_all_reduce_bytes(4, 2, r)
         steps = run.metrics(r)
@@ -242,7 +242,7 @@ def test_async_checkpoint_thread_stays_off_the_wire(runs_dir):
 
 
 def test_summary_names_the_figures_and_says_when_wire_is_not_measurable():
-    from dlab.summary import NOT_MEASURABLE, Summary
+    from dlab.analysis.summary import NOT_MEASURABLE, Summary
 
     memory = {"parameters": 1, "gradients": 1, "optimizer": 1, "activations": 1}
     row = {"rank": 0, "steps": 2, "loss": 1.0, "first_step_s": 1.0, "step_time_s": 1.0,

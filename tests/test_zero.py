@@ -13,9 +13,10 @@ from helpers import assert_ranks_agree, assert_same_training, final_state, losse
 
 import dlab
 from dlab import models
-from dlab.config import ConfigError, RunConfig
-from dlab.data import make_data
-from dlab.estimate.memory import (
+from dlab.core.config import ConfigError, RunConfig
+from dlab.models.data import make_data
+from dlab.parallel.zero.flat import build_units
+from dlab.theory.memory import (
     gpt_units,
     model_units,
     padded,
@@ -24,7 +25,6 @@ from dlab.estimate.memory import (
     zero_bytes_moved,
     zero_memory,
 )
-from dlab.parallel.zero.flat import build_units
 
 UNEVEN = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
           "model_options": {"n_layer": 3, "d_model": 31, "n_head": 1, "seq_len": 32}}

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import dlab
-from dlab.config import RunConfig
-from dlab.data import make_data
-from dlab.estimate.memory import model_units, padded
+from dlab.core.config import RunConfig
+from dlab.models.data import make_data
+from dlab.theory.memory import model_units, padded
 
 # As test_zero.UNEVEN: every unit padded at 2 and 4 ranks.
 UNEVEN = {"model": "gpt", "batch_size": 8, "steps": 2, "optimizer": "sgd",
@@ -24,9 +24,9 @@ def whole_units_at_once(prefetch: bool) -> list[int]:
 
     from dlab import parallel
     from dlab.comm.instrumented import Comm
-    from dlab.metrics import StoragePeak
+    from dlab.core.events import Timeline
+    from dlab.core.metrics import StoragePeak
     from dlab.parallel.base import Context
-    from dlab.timeline import Timeline
 
     cfg = RunConfig(strategy="zero3", world_size=dist.get_world_size(),
                     options={"prefetch": prefetch}, **UNEVEN)

@@ -13,6 +13,8 @@ import json
 import pkgutil
 import statistics
 
+from dlab.analysis.tables import format_rows
+
 
 def available() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
@@ -25,23 +27,6 @@ def compared(dlab: float, peer: float, **what) -> dict:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
-
-
-def _cell(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def format_rows(rows: list[dict]) -> str:
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-    table = [keys] + [[_cell(row.get(k, "")) for k in keys] for row in rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(keys))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def run_bench(name: str, json_path: str | None = None, quick: bool = False) -> int:

@@ -13,7 +13,7 @@ global batch, seed and bucket cap, at 4 ranks (quick: 2 ranks, fewer steps). Row
   why), so it does not overlap backward where dlab's does.
 - ``metric="loss_and_bytes"``: dlab's final loss beside uncompressed ``ddp``'s after the same
   steps (what the compression cost), and the measured bytes per step beside
-  ``dlab.estimate.compression``'s formula.
+  ``dlab.theory.compression``'s formula.
 
 ``none`` (plain all-reduce) stands beside DDP's built-in C++ all-reduce. ``topk`` has no peer
 in PyTorch: its rows carry no ``peer`` or ``ratio``. ``bf16``'s peer is PyTorch's
@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import tempfile
 
+from dlab.analysis.steps import step_time
 from dlab.bench import compared
 from dlab.bench.ddp import BATCH, MODEL
-from dlab.estimate import compression as est
+from dlab.models import build
+from dlab.procs.launch import launch
+from dlab.theory import compression as est
 
 CAP_MB = 1  # a few buckets, so that compression overlaps backward
 # method -> (ddp's options, torch-ddp's options or None)
@@ -40,19 +43,17 @@ METHODS = {
 
 
 def measure(strategy: str, n: int, options: dict, steps: int, runs_dir: str) -> dict:
-    import dlab
-    run = dlab.launch(strategy, n, runs_dir=runs_dir, wait=True, steps=steps, batch_size=BATCH,
+    run = launch(strategy, n, runs_dir=runs_dir, wait=True, steps=steps, batch_size=BATCH,
                       model="gpt", model_options=MODEL, optimizer="sgd",
                       options={"bucket_cap_mb": CAP_MB, **options})
     last = run.metrics(0)[-1]
     return {"bytes": last["comm"]["sent_bytes"], "loss": last["loss"],
-            "step_s": max(r["step_time_s"] for r in run.summary().rows)}
+            "step_s": step_time(run)}
 
 
 def rows(quick: bool = False) -> list[dict]:
-    import dlab
     n, steps = (2, 6) if quick else (4, 12)
-    shapes = [tuple(p.shape) for p in dlab.models.build("gpt", MODEL, 0).parameters()]
+    shapes = [tuple(p.shape) for p in build("gpt", MODEL, 0).parameters()]
     out = []
     with tempfile.TemporaryDirectory(prefix="dlab-bench-compression-") as runs_dir:
         plain = None

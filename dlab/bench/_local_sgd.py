@@ -8,7 +8,7 @@ on the same global batches (equal tokens). Rows, each ``{"name", "H", "ranks", "
 and, where there is a peer, ``"peer"`` and ``"ratio"`` (``dlab.bench.compared``):
 
 - ``bytes_per_step``: what a rank sent per step, averaged over the run (the ring model counted
-  at each call), beside ``formula`` (``dlab.estimate.local_sgd.mean_bytes_per_step``) and
+  at each call), beside ``formula`` (``dlab.theory.local_sgd.mean_bytes_per_step``) and
   ``wire``, the all-reduce bytes measured on the transport per step (None off Gloo/Linux);
 - ``step_s``: the mean step time after the first (each step's slowest rank). Not the
   summary's median: with H > 1 most steps do not sync, and the median would leave the sync out;
@@ -21,15 +21,15 @@ import tempfile
 
 from dlab.bench import compared
 from dlab.bench.ddp import BATCH, MODEL
-from dlab.estimate import local_sgd as est
 from dlab.models import model_config
+from dlab.procs.launch import launch
+from dlab.theory import local_sgd as est
 
 SYNC_EVERY = (1, 4, 16)
 
 
 def _measure(strategy: str, world_size: int, steps: int, runs_dir: str, **options) -> dict:
-    import dlab
-    run = dlab.launch(strategy, world_size, runs_dir=runs_dir, wait=True, steps=steps,
+    run = launch(strategy, world_size, runs_dir=runs_dir, wait=True, steps=steps,
                       batch_size=BATCH, model="gpt", model_options=MODEL, options=options)
     per_rank = [run.metrics(r) for r in range(world_size)]
     wire = [m["comm_by_op"].get("all_reduce", {}).get("wire_bytes") or 0 for m in per_rank[0]]

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from dlab.bench import compared, median
-from dlab.magic import run_cell
-from dlab.pool import RankPool
+from dlab.procs.cells import run_cell
+from dlab.procs.pool import RankPool
 
 CELL = "t = torch.ones(1)\ndist.all_reduce(t)\nresult = t.item()"
 

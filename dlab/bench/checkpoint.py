@@ -31,10 +31,13 @@ from pathlib import Path
 
 import torch
 
-import dlab
-from dlab import checkpoint, models
+from dlab import models
+from dlab.analysis.steps import step_time
 from dlab.bench import compared, median
-from dlab.launch import launch
+from dlab.parallel.zero.torch_fsdp import shard_with_fsdp2
+from dlab.procs.launch import launch
+from dlab.procs.spawn import spawn
+from dlab.runtime import checkpoint
 
 MODEL = {"n_layer": 4, "d_model": 192, "n_head": 4, "seq_len": 64}
 FAULT_BATCH = 64  # sequences per step: steps long enough that redone work shows beside restart
@@ -72,7 +75,6 @@ def dcp_seconds(model_options: dict, path: str, repeats: int = 3) -> tuple[float
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from dlab.parallel.zero.torch_fsdp import shard_with_fsdp2
 
     model = shard_with_fsdp2(models.build("gpt", model_options, seed=0))
     opt = torch.optim.Adam(model.parameters())
@@ -112,7 +114,7 @@ def _save_rows(root: Path, ranks: int, steps: int) -> list[dict]:
         rows.append({**what, "metric": "load_s", "dlab": _load_seconds(newest)})
         if label == "sharded":
             sharded_s = blocked
-    per_rank = dlab.spawn(dcp_seconds, ranks, MODEL, str(root / f"dcp-{ranks}"), runs_dir=root,
+    per_rank = spawn(dcp_seconds, ranks, MODEL, str(root / f"dcp-{ranks}"), runs_dir=root,
                           timeout=300)
     save_s = max(r[0] for r in per_rank)  # the slowest rank holds the step back
     what = {"name": "checkpoint", "kind": "sharded vs DCP", "ranks": ranks}
@@ -128,7 +130,7 @@ def _fault_rows(root: Path, steps: int, fault_step: int, intervals: list[int]) -
     start = time.perf_counter()
     clean = launch("torch-ddp", 2, runs_dir=root, wait=True, **common)
     clean_s = time.perf_counter() - start
-    step_s = median([m["step_time"] for m in clean.metrics(0)[1:]])
+    step_s = step_time(clean)
     measured = []
     for k in intervals:
         start = time.perf_counter()

@@ -3,7 +3,7 @@
 For ring and all-gather attention, zigzag and contiguous layouts, and Ulysses, at 2 and 4
 ranks, and USP (Ulysses in pairs, the ring across them) at 4: the peak activation bytes a rank
 saves for backward, the bytes it sends per step beside
-``dlab.estimate.context``, and the median step time. The peer is ``single``, one process with
+``dlab.theory.context``, and the median step time. The peer is ``single``, one process with
 the whole sequence: the ratio of activations is what context parallelism is for (ring: about
 1/n of it; all-gather: more, since every rank keeps the whole sequence's K and V). PyTorch's
 own ``context_parallel`` is not the peer: on CPU it has no causal ring (see TORCH_ON_CPU).
@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import tempfile
 
+from dlab.analysis.steps import step_time
 from dlab.bench import compared, median
-from dlab.estimate import context as est
+from dlab.layout import tokens as layout
 from dlab.models import model_config
-from dlab.parallel.context import layout
 from dlab.parallel.context.attention import computed_pairs
+from dlab.procs.launch import launch
+from dlab.theory import context as est
 
 MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 1024}
 QUICK_MODEL = {**MODEL, "seq_len": 256}
@@ -31,10 +33,6 @@ BATCH = 2
 
 def _peak_activations(run, ranks: int) -> int:
     return max(max(m["memory"]["activations"] for m in run.metrics(r)) for r in range(ranks))
-
-
-def _step_s(run) -> float:
-    return median([m["step_time"] for m in run.metrics(0)[1:]])
 
 
 def _attention_seconds(run, rank: int) -> float:
@@ -56,7 +54,6 @@ def _imbalance(run, lay: str, seq_len: int, n: int, what: dict) -> dict:
 
 
 def run(quick: bool = False) -> list[dict]:
-    import dlab
 
     model = QUICK_MODEL if quick else MODEL
     common = {"model": "gpt", "model_options": model, "batch_size": BATCH, "steps": 3 if quick else 5}
@@ -67,10 +64,10 @@ def run(quick: bool = False) -> list[dict]:
     ] + [("usp", "zigzag", 4)]
     rows = []
     with tempfile.TemporaryDirectory() as runs_dir:
-        single = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, **common)
-        base_act, base_s = _peak_activations(single, 1), _step_s(single)
+        single = launch("single", 1, runs_dir=runs_dir, wait=True, **common)
+        base_act, base_s = _peak_activations(single, 1), step_time(single)
         for attention, lay, n in configs:
-            run = dlab.launch("cp", n, runs_dir=runs_dir, wait=True,
+            run = launch("cp", n, runs_dir=runs_dir, wait=True,
                               options={"attention": attention, "layout": lay}, **common)
             work = [layout.visible_pairs(lay, cfg.seq_len, r, n) for r in range(n)]
             kv = est.kv_bytes(BATCH, cfg.seq_len, cfg.d_model, n)
@@ -82,7 +79,7 @@ def run(quick: bool = False) -> list[dict]:
                     "work_ratio": round(max(work) / (sum(work) / n), 3)}
             rows.append(compared(_peak_activations(run, n), base_act, **what,
                                  metric="activation_bytes"))
-            rows.append(compared(_step_s(run), base_s, **what, metric="step_s"))
+            rows.append(compared(step_time(run), base_s, **what, metric="step_s"))
             if attention == "ring":
                 rows.append(_imbalance(run, lay, cfg.seq_len, n, what))
     return rows

@@ -16,53 +16,23 @@ from __future__ import annotations
 import statistics
 import tempfile
 
+from dlab.analysis.steps import comm_overlap, step_time
 from dlab.bench import compared
+from dlab.procs.launch import launch
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64}
 BATCH = 16
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def _length(spans) -> float:
-    return sum(e - s for s, e in spans)
-
-
-def _intersection(a, b) -> float:
-    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
-
-
-def comm_overlap(events: list[dict]) -> tuple[float, float]:
-    """(seconds some all-reduce was in flight, the part of it inside backward) over the given
-    events of one rank, step by step."""
-    comm = hidden = 0.0
-    for step in sorted({e["step"] for e in events}):
-        ev = [e for e in events if e["step"] == step]
-        reduces = _union([(e["start"], e["end"]) for e in ev if e["kind"] == "all_reduce"])
-        backward = _union([(e["start"], e["end"]) for e in ev if e["kind"] == "backward"])
-        comm += _length(reduces)
-        hidden += _intersection(reduces, backward)
-    return comm, hidden
-
-
 def measure(strategy: str, world_size: int, options: dict, steps: int, runs_dir: str) -> dict:
-    import dlab
-    run = dlab.launch(strategy, world_size, runs_dir=runs_dir, wait=True, steps=steps,
+    run = launch(strategy, world_size, runs_dir=runs_dir, wait=True, steps=steps,
                       batch_size=BATCH, model="gpt", model_options=MODEL, options=options)
     rows = run.summary().rows
     comm = hidden = 0.0
     for rank in range(world_size):
         c, h = comm_overlap([e for e in run.timeline(rank) if e["step"] > 0])
         comm, hidden = comm + c, hidden + h
-    return {"step_s": max(r["step_time_s"] for r in rows),
+    return {"step_s": step_time(run),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
             "comm_ms": 1e3 * comm / world_size / (steps - 1),
             "hidden": hidden / comm if comm else 0.0}

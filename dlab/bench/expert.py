@@ -3,7 +3,7 @@
 For 2 and 4 ranks and top-1 / top-2 routing: the parameter bytes a rank holds beside one
 process holding every expert (``single``, the peer: PyTorch has no expert-parallel module of
 its own), the all-to-all bytes a rank sent per step beside what uniform routing would send
-(``dlab.estimate.expert``: the ratio is the router's imbalance, as this rank sees it), the
+(``dlab.theory.expert``: the ratio is the router's imbalance, as this rank sees it), the
 dense all-reduce bytes, and the step time beside ``single``'s.
 
 Then MoE as trained (``dlab.models.moe``), on ``ep`` with the same seed and data: the busiest
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import tempfile
 
+from dlab.analysis.moe import busiest_rank, busiest_share, dropped_share
+from dlab.analysis.steps import step_time
 from dlab.bench import compared, median
-from dlab.estimate import expert as est
 from dlab.models import model_config
-from dlab.parallel.expert.strategy import owner
+from dlab.procs.launch import launch
+from dlab.theory import expert as est
 
 MODEL = {"n_layer": 2, "d_model": 128, "n_head": 4, "seq_len": 128, "n_expert": 8}
 QUICK_MODEL = {**MODEL, "d_model": 64, "seq_len": 64}
@@ -31,51 +33,6 @@ def _per_step(run, rank: int, op: str) -> float:
     return median([m["comm_by_op"].get(op, {}).get("sent_bytes", 0.0) for m in run.metrics(rank)])
 
 
-def busiest_share(record: dict) -> float:
-    layers = record["moe"]["routed"]
-    return sum(max(r) / sum(r) for r in layers) / len(layers)
-
-
-def dropped_share(record: dict) -> float:
-    return (sum(map(sum, record["moe"]["dropped"])) / sum(map(sum, record["moe"]["routed"])))
-
-
-def rank_rows(run, n: int, n_expert: int, step: int) -> list[int]:
-    """Rows each rank's experts computed at ``step`` (every layer): the whole batch's kept
-    assignments per expert, summed over the experts the rank owns."""
-    per_expert = [0] * n_expert
-    for r in range(n):
-        moe = run.metrics(r)[step]["moe"]
-        for routed, dropped in zip(moe["routed"], moe["dropped"]):
-            for e in range(n_expert):
-                per_expert[e] += routed[e] - dropped[e]
-    return [sum(per_expert[e] for e in range(n_expert) if owner(e, n_expert, n) == r)
-            for r in range(n)]
-
-
-def experts_seconds(run, rank: int) -> dict[int, float]:
-    """Per step, one rank's expert forward (its ``experts`` spans; the all-to-all waits left
-    out)."""
-    per_step: dict[int, float] = {}
-    for e in run.timeline(rank):
-        if e["kind"] == "experts":
-            per_step[e["step"]] = per_step.get(e["step"], 0.0) + e["end"] - e["start"]
-    return per_step
-
-
-def busiest_rank(run, n: int, n_expert: int, steps: range) -> dict:
-    """The busiest rank's expert time over the mean rank's (the median over ``steps``), the
-    measurement, beside the same ratio of the rows each rank's experts computed, the model."""
-    seconds = [experts_seconds(run, r) for r in range(n)]
-    measured, tokens = [], []
-    for s in steps:
-        t = [seconds[r][s] for r in range(n)]
-        rows = rank_rows(run, n, n_expert, s)
-        measured.append(max(t) / (sum(t) / n))
-        tokens.append(max(rows) / (sum(rows) / n))
-    return {"dlab": median(measured), "model": median(tokens)}
-
-
 def training_rows(runs_dir: str, quick: bool) -> list[dict]:
     """The balancing loss over steps (and the busiest rank's expert time it sets), and dropped
     tokens against the capacity factor.
@@ -84,7 +41,6 @@ def training_rows(runs_dir: str, quick: bool) -> list[dict]:
     without the balancing loss: every token's hidden state is nearly the same early on, so one
     Adam step moves every token's logits together and the loss can only move the whole herd
     from expert to expert (measured: the busiest expert changed 31 times in 40 steps)."""
-    import dlab
 
     n, steps = (2, 12) if quick else (4, 40)
     model = {**(QUICK_MODEL if quick else MODEL), "top_k": 1}
@@ -92,7 +48,7 @@ def training_rows(runs_dir: str, quick: bool) -> list[dict]:
     common = {"model": "moe", "batch_size": BATCH, "steps": steps, "lr": 1e-3}
     rows = []
     for aux in (0.0, 0.1):
-        run = dlab.launch("ep", n, runs_dir=runs_dir, wait=True,
+        run = launch("ep", n, runs_dir=runs_dir, wait=True,
                           model_options={**model, "aux_loss": aux}, **common)
         shares = [sum(busiest_share(run.metrics(r)[s]) for r in range(n)) / n for s in range(steps)]
         # which expert is the busiest in the first layer, step by step (over the whole batch)
@@ -105,7 +61,7 @@ def training_rows(runs_dir: str, quick: bool) -> list[dict]:
         rows.append({**what, "metric": "busiest rank's expert time / mean, last 5 steps",
                      **busiest_rank(run, n, n_expert, range(steps - 5, steps))})
     for factor in (1.0, 1.25, 2.0):
-        run = dlab.launch("ep", n, runs_dir=runs_dir, wait=True,
+        run = launch("ep", n, runs_dir=runs_dir, wait=True,
                           model_options={**model, "capacity_factor": factor}, **{**common, "steps": 5})
         dropped = median([sum(dropped_share(run.metrics(r)[s]) for r in range(n)) / n
                           for s in range(5)])
@@ -115,7 +71,6 @@ def training_rows(runs_dir: str, quick: bool) -> list[dict]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    import dlab
 
     rows = []
     with tempfile.TemporaryDirectory() as runs_dir:
@@ -124,11 +79,11 @@ def run(quick: bool = False) -> list[dict]:
             mc = model_config("moe", model)
             common = {"model": "moe", "model_options": model, "batch_size": BATCH,
                       "steps": 3 if quick else 6}
-            single = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, **common)
+            single = launch("single", 1, runs_dir=runs_dir, wait=True, **common)
             base_params = single.metrics(0)[-1]["memory"]["parameters"]
-            base_s = median([m["step_time"] for m in single.metrics(0)[1:]])
+            base_s = step_time(single)
             for n in ((2,) if quick else (2, 4)):
-                run = dlab.launch("ep", n, runs_dir=runs_dir, wait=True, **common)
+                run = launch("ep", n, runs_dir=runs_dir, wait=True, **common)
                 tokens = BATCH // n * mc.seq_len
                 uniform = est.uniform_rows(tokens, k, n)
                 what = {"strategy": "ep", "ranks": n, "top_k": k, "n_expert": mc.n_expert,
@@ -137,7 +92,7 @@ def run(quick: bool = False) -> list[dict]:
                         "all_reduce_MB": _per_step(run, 0, "all_reduce") / 1e6}
                 rows.append(compared(run.metrics(0)[-1]["memory"]["parameters"], base_params,
                                      **what, metric="parameter_bytes"))
-                rows.append(compared(median([m["step_time"] for m in run.metrics(0)[1:]]), base_s,
+                rows.append(compared(step_time(run), base_s,
                                      **what, metric="step_s"))
         rows += training_rows(runs_dir, quick)
     return rows

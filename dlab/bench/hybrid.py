@@ -3,10 +3,10 @@
 Layouts: data parallel (``ddp``, 4 x 1 x 1), tensor parallel (``tp``, 1 x 1 x 4), TP x DP
 (2 x 1 x 2), pipeline (``pipeline-1f1b``, 1 x 4 x 1, 4 micro-batches), PP x DP (2 x 2 x 1) and
 PP x TP (1 x 2 x 2). Per layout: the parameters the fullest rank holds and the bytes the
-busiest rank sends per step, each beside ``dlab.estimate.hybrid`` (which covers all six: p = 1
+busiest rank sends per step, each beside ``dlab.theory.hybrid`` (which covers all six: p = 1
 is TP x DP, t = 1 and p = 1 is plain data parallelism), the activation peak, and the step time
 beside PyTorch's DDP on the same ranks (the peer: the layout a beginner starts from), both
-timed alike (``step_seconds``: the slowest rank's median step).
+timed alike (``dlab.analysis.steps.step_time``: the slowest rank's median step).
 
 What to read in it: every layout but DP cuts the parameters per rank; TP pays with per-layer
 all-reduces of activations, the pipeline with a bubble and little traffic; on 2 CPU cores
@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import tempfile
 
-from dlab.bench import compared, median
-from dlab.estimate import hybrid
+from dlab.analysis.steps import step_time
+from dlab.bench import compared
+from dlab.layout.stages import partition
 from dlab.models import build, model_config
-from dlab.parallel.pipeline.split import param_costs, partition
+from dlab.parallel.pipeline.split import param_costs
+from dlab.procs.launch import launch
+from dlab.theory import hybrid
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
 BATCH, WORLD = 8, 4
@@ -47,29 +50,21 @@ def formulas(dp: int, pp: int, tp: int) -> list[tuple[int, float]]:
     return out
 
 
-def step_seconds(run, warmup: int = 1) -> float:
-    """The step time of a run: each rank's median over the steps after the first ``warmup``,
-    then the slowest rank (the step is not over until every rank is). Both sides of a row use
-    it."""
-    return max(median([m["step_time"] for m in run.metrics(r)[warmup:]]) for r in range(run.world_size))
-
-
 def run(quick: bool = False) -> list[dict]:
-    import dlab
 
     layouts = LAYOUTS[:1] + LAYOUTS[-1:] if quick else LAYOUTS
     common = {"model_options": MODEL, "batch_size": BATCH, "steps": 3 if quick else 6}
     rows = []
     with tempfile.TemporaryDirectory() as runs_dir:
-        peer = dlab.launch("torch-ddp", WORLD, runs_dir=runs_dir, wait=True, **common)
-        peer_s = step_seconds(peer)
+        peer = launch("torch-ddp", WORLD, runs_dir=runs_dir, wait=True, **common)
+        peer_s = step_time(peer)
         for label, strategy, options, (dp, pp, tp) in layouts:
-            run = dlab.launch(strategy, WORLD, runs_dir=runs_dir, wait=True, options=options,
+            run = launch(strategy, WORLD, runs_dir=runs_dir, wait=True, options=options,
                               **common)
             last = [run.metrics(r)[-1] for r in range(WORLD)]
             want = formulas(dp, pp, tp)
             rows.append(compared(
-                step_seconds(run), peer_s, layout=label, strategy=strategy, dp=dp, pp=pp, tp=tp,
+                step_time(run), peer_s, layout=label, strategy=strategy, dp=dp, pp=pp, tp=tp,
                 ranks=WORLD, metric="step_s",
                 params_MB=max(m["memory"]["parameters"] for m in last) / 1e6,
                 params_formula_MB=max(4 * p for p, _ in want) / 1e6,

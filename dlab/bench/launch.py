@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from dlab.bench import compared, median
-from dlab.launch import launch
-from dlab.metrics import measure_cpu_peak_flops
+from dlab.core.machine import measure_cpu_peak_flops
+from dlab.procs.launch import launch
 
 WORK = {"steps": 10, "model_options": {"n_layer": 2, "d_model": 64, "n_head": 4}, "batch_size": 8}
 

@@ -1,5 +1,5 @@
 """``python -m dlab bench nd``: one GPT laid out every way 4 and 8 ranks allow, each figure
-beside ``dlab.estimate.nd``, and dp x ZeRO-3 x tp beside PyTorch's own FSDP2 + TP.
+beside ``dlab.theory.nd``, and dp x ZeRO-3 x tp beside PyTorch's own FSDP2 + TP.
 
 Layouts: every (pp, dp, cp, tp) whose product is the world size and that the model divides
 (``Layout.problems`` refuses the rest: tp must divide the 4 heads, pp at most the 4 blocks, the
@@ -31,11 +31,13 @@ import itertools
 import math
 import tempfile
 
+from dlab.analysis.steps import step_time
 from dlab.bench import compared
-from dlab.bench.hybrid import step_seconds
-from dlab.config import RunConfig
-from dlab.estimate import nd
-from dlab.parallel.nd.layout import MESH_ORDER, Layout
+from dlab.core.config import RunConfig
+from dlab.layout import MESH_ORDER, Layout, ranks
+from dlab.procs.launch import launch
+from dlab.theory import nd
+from dlab.worker.validate import problems
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
 BATCH = 8
@@ -65,7 +67,7 @@ def runnable(world: int, options: dict, model_options: dict = MODEL) -> bool:
     """Whether ``nd`` takes this layout for the bench's model (``Layout.problems``)."""
     cfg = RunConfig.from_dict({"strategy": "nd", "world_size": world, "batch_size": BATCH,
                                "options": options, "model_options": model_options})
-    return not cfg.problems()
+    return not problems(cfg)
 
 
 def label(options: dict) -> str:
@@ -78,11 +80,11 @@ def label(options: dict) -> str:
 def measure(run) -> dict:
     """The fullest rank's figures beside the estimate for that rank (the last step's)."""
     cfg = RunConfig.from_dict(run.config)
-    lay, mc = Layout.from_config(cfg), cfg.model_config()
+    lay, mc = Layout.from_options(cfg.options, cfg.world_size), cfg.model_config()
     per_rank = []
     for r in range(run.world_size):
         m = run.metrics(r)[-1]
-        pp_rank = r // (run.world_size // lay.pp)
+        pp_rank = ranks.coords(lay.dims, r)["pp"]
         state = nd.model_state(mc, lay, pp_rank, cfg.optimizer)
         per_rank.append({
             "state_MB": sum(m["memory"][k] for k in state) / MB,
@@ -102,27 +104,26 @@ def measure(run) -> dict:
 
 
 def run(quick: bool = False) -> list[dict]:
-    import dlab
 
     common = {"batch_size": BATCH, "steps": 3 if quick else 6}
     rows = []
     with tempfile.TemporaryDirectory() as runs_dir:
         for recompute in RECOMPUTE[:1] if quick else RECOMPUTE:
             model = {**MODEL, **recompute}
-            peer = dlab.launch("torch-tp", 4, runs_dir=runs_dir, wait=True, model_options=model,
+            peer = launch("torch-tp", 4, runs_dir=runs_dir, wait=True, model_options=model,
                                options={"tp": 2, "sequence_parallel": True, "fsdp": True}, **common)
-            mine = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, model_options=model,
+            mine = launch("nd", 4, runs_dir=runs_dir, wait=True, model_options=model,
                                options=PEER_LAYOUT, **common)
-            rows.append(compared(step_seconds(mine), step_seconds(peer), layout=label(PEER_LAYOUT),
+            rows.append(compared(step_time(mine), step_time(peer), layout=label(PEER_LAYOUT),
                                  ranks=4, recompute=recompute.get("recompute", "none"),
                                  metric="step_s", peer_name="torch-tp fsdp",
-                                 step_s=step_seconds(mine), **measure(mine)))
+                                 step_s=step_time(mine), **measure(mine)))
         grid = [(4, o) for o in QUICK] if quick else [(w, o) for w in (4, 8) for o in layouts(w)]
         for world, options in grid:
             if not runnable(world, options):
                 continue
-            mine = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
+            mine = launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
                                options=options, **common)
             rows.append({"layout": label(options), "ranks": world, "recompute": "none",
-                         "step_s": step_seconds(mine), **measure(mine)})
+                         "step_s": step_time(mine), **measure(mine)})
     return rows

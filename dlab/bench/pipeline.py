@@ -1,7 +1,7 @@
 """``python -m dlab bench pipeline``: every schedule at 2 and 4 stages and 1..16 micro-batches.
 
 Per configuration: the bubble measured from the timeline (steps after the first) beside the
-closed form (``dlab.estimate.pipeline.bubble``, unit times), the simulation of the same action
+closed form (``dlab.theory.pipeline.bubble``, unit times), the simulation of the same action
 lists at each stage's mean op times measured in that run (``simulated``: adds the imbalance
 between stages), and at each op's own measured
 time (``sim_ops``: what the op-time jitter alone costs; the rest of the measured excess is
@@ -29,7 +29,20 @@ from __future__ import annotations
 import statistics
 import tempfile
 
+from dlab import models
+from dlab.analysis.steps import step_time
 from dlab.bench import compared
+from dlab.core.config import RunConfig
+from dlab.layout import schedules
+from dlab.layout.stages import partition
+from dlab.models.data import make_data
+from dlab.parallel.pipeline.split import StageModule, param_costs
+from dlab.procs.launch import launch
+from dlab.procs.spawn import spawn
+from dlab.theory import pipeline as est
+from dlab.theory.simulate import bubble, bubble_of_ops, replay
+from dlab.ui.figure import new_figure
+from dlab.ui.gantt import gantt
 
 MODEL = {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 128}
 STEPS = 4
@@ -64,13 +77,11 @@ def _v(name: str) -> int:
 def measure(name: str, p: int, m: int, runs_dir: str, recv_ahead: int | None = None) -> dict:
     """One dlab run: bubble, the timeline (steps after the first), activation peaks per rank,
     median step time. ``recv_ahead`` None: the strategy's default."""
-    import dlab
-    from dlab.parallel.pipeline.simulate import bubble
 
     options = {"microbatches": m} if name != "naive" else {}
     if recv_ahead is not None:
         options["recv_ahead"] = recv_ahead
-    run = dlab.launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=STEPS,
+    run = launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=STEPS,
                       batch_size=m, model="gpt", model_options=MODEL, options=options)
     events = [e for e in run.timeline() if "stage" in e and e["step"] > 0]
     metrics = [run.metrics(r) for r in range(p)]
@@ -78,15 +89,11 @@ def measure(name: str, p: int, m: int, runs_dir: str, recv_ahead: int | None = N
         "bubble": bubble(events, ranks=p),
         "events": events,
         "activations": [max(x["memory"]["activations"] for x in ms) for ms in metrics],
-        "step_s": statistics.median(x["step_time"] for x in metrics[0][1:]),
+        "step_s": step_time(run),
     }
 
 
 def run(quick: bool = False) -> list[dict]:
-    from dlab import spawn
-    from dlab.estimate import pipeline as est
-    from dlab.parallel.pipeline import schedules
-    from dlab.parallel.pipeline.simulate import bubble, bubble_of_ops, replay
 
     rows, unit = [], {}
     with tempfile.TemporaryDirectory() as runs_dir:
@@ -139,10 +146,6 @@ def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int)
     import torch.distributed as dist
     import torch.distributed.pipelining as pipelining
 
-    from dlab import models
-    from dlab.config import RunConfig
-    from dlab.data import make_data
-    from dlab.parallel.pipeline.split import StageModule, param_costs, partition
 
     rank = dist.get_rank()
     v = _v(name)
@@ -189,31 +192,19 @@ def save_gantt(path: str = "docs/pipeline_gantt.png", name: str = "1f1b", p: int
                m: int = 8) -> float:
     """A measured Gantt chart of one step on the bench model, with the simulation of the same
     action list at the measured op times drawn pale under each rank's row (red: time blocked
-    in a recv); returns the measured bubble.
+    in a transfer); returns the measured bubble.
     ``python -c "from dlab.bench.pipeline import save_gantt; save_gantt()"``"""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    import dlab
-    from dlab.parallel.pipeline import schedules
-    from dlab.parallel.pipeline.simulate import bubble, gantt, replay
-
     with tempfile.TemporaryDirectory() as runs_dir:
-        run = dlab.launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=3,
-                          batch_size=m, model="gpt", model_options=MODEL,
-                          options={"microbatches": m})
+        run = launch(f"pipeline-{name}", p, runs_dir=runs_dir, wait=True, steps=3,
+                     batch_size=m, model="gpt", model_options=MODEL,
+                     options={"microbatches": m})
         events = [e for e in run.timeline() if "stage" in e and e["step"] == 2]
     sim = replay(schedules.build(name, p, m, _v(name)), events)
-    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.9 * p))
     measured = bubble(events)
-    gantt(events, ax=ax, comm=True, y_offset=-0.12, height=0.6,
+    fig = new_figure(figsize=(11, 0.9 + 0.9 * p))
+    gantt(events, fig.add_subplot(), comm=True, y_offset=-0.12, height=0.6,
           title=f"{name}, p={p}, m={m}, measured on CPU/Gloo: bubble {measured:.3f} "
                 f"(simulated at each stage's mean op times: {bubble(sim):.3f}, pale bars)")
-    gantt(sim, ax=ax, y_offset=0.3, height=0.22, alpha=0.4, labels=False)
-    ax.set_xlabel("seconds")
-    fig.tight_layout()
+    gantt(sim, fig.axes[0], y_offset=0.3, height=0.22, alpha=0.4, labels=False)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return measured

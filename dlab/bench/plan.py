@@ -1,6 +1,6 @@
 """``python -m dlab bench plan``: the planner's prediction beside a measured run, per layout.
 
-First the "this machine" preset is measured for the bench's model (``dlab.plan.calibrate``: one
+First the "this machine" preset is measured for the bench's model (``dlab.tools.calibrate``: one
 thread's rate and fixed costs on that model, every rank measuring at once where they outnumber
 the cores; the fitted link; what each kind of blocking collective costs a rank at 4 and 8 ranks
 and the share of the cores' time the ranks fill), rows "(calibration)" and "(probe)" (one
@@ -23,12 +23,14 @@ from __future__ import annotations
 import statistics
 import tempfile
 
-from dlab.bench.hybrid import step_seconds
+from dlab.analysis.steps import step_time
 from dlab.bench.nd import BATCH, MODEL, QUICK, label, layouts, measure, runnable
 from dlab.models.gpt import GPTConfig
-from dlab.plan import calibrate, plan
-from dlab.plan.layout import PlanLayout
-from dlab.plan.spec import from_gpt
+from dlab.procs.launch import launch
+from dlab.theory.plan import plan
+from dlab.theory.plan.layout import PlanLayout
+from dlab.theory.plan.spec import from_gpt
+from dlab.tools import calibrate
 
 PAYLOAD = 256 << 10
 STEPS, WARMUP = 12, 4
@@ -40,7 +42,8 @@ def plan_layout(options: dict, recompute: str = "none") -> PlanLayout:
     pp, dp = options.get("pp", 1), options.get("dp", 1)
     m = 4 if pp > 1 else 1
     return PlanLayout(dp=dp, tp=options.get("tp", 1), pp=pp, cp=options.get("cp", 1),
-                      zero=options.get("zero", 0), sp=bool(options.get("sequence_parallel")),
+                      zero=options.get("zero", 0),
+                      sequence_parallel=bool(options.get("sequence_parallel")),
                       micro_batch=BATCH // (dp * m), recompute=recompute, precision="fp32")
 
 
@@ -57,7 +60,6 @@ def predict(options: dict, machine, recompute: str = "none") -> dict:
 
 
 def run(quick: bool = False) -> list[dict]:
-    import dlab
 
     cfg = GPTConfig(**MODEL)
     worlds = (4,) if quick else (4, 8)
@@ -77,9 +79,9 @@ def run(quick: bool = False) -> list[dict]:
         for world, options in grid:
             if not runnable(world, options):
                 continue
-            run_ = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
+            run_ = launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
                                options=options, batch_size=BATCH, steps=STEPS)
-            measured, got = step_seconds(run_, WARMUP), measure(run_)
+            measured, got = step_time(run_, WARMUP), measure(run_)
             pred = predict(options, machines[world])
             rows.append({"layout": label(options), "ranks": world, "metric": "step_s",
                          "dlab": pred["step_model_s"], "peer": measured,

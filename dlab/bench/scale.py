@@ -20,7 +20,7 @@ Rows, all at the same model and global batch on Gloo:
   and the steps lost (none: the checkpoint is of the agreed step, not the last periodic one).
 - ``elastic``: the same run preempted at 4 ranks and resumed at 2 from its checkpoint
   (resharded on load), then at 4 again: time lost per membership change, planned.
-- ``elastic-agents``: two torchrun agents of 2 ranks (``dlab.elastic.rehearse``), one
+- ``elastic-agents``: two torchrun agents of 2 ranks (``dlab.procs.elastic.rehearse``), one
   SIGKILLed mid-run and started again: ``lost_s`` from the kill to the first step at 2 ranks
   (failure noticed, rendezvous without it, restart, resume), ``back_s`` from its return to
   the first step at 4, and the steps trained twice.
@@ -32,7 +32,9 @@ import statistics
 import tempfile
 import time
 
-from dlab.bench import compared
+from dlab.bench import _compression, _local_sgd, compared
+from dlab.procs.elastic import rehearse
+from dlab.procs.launch import launch
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64}
 BATCH = 16
@@ -40,12 +42,15 @@ DELAY = 0.1
 
 
 def _launch(strategy, n, runs_dir, steps, **kw):
-    import dlab
-    return dlab.launch(strategy, n, runs_dir=runs_dir, wait=True, steps=steps, batch_size=BATCH,
+    return launch(strategy, n, runs_dir=runs_dir, wait=True, steps=steps, batch_size=BATCH,
                        model="gpt", model_options=MODEL, optimizer="sgd", **kw)
 
 
 def _rank0_step_s(run) -> float:
+    """Rank 0's median step, the first and last left out: what the healthy side sees. Not the
+    run's ``step_time`` (the slowest rank's): under a parameter server the straggler is the
+    slowest rank by construction, and the question is whether the others wait for it; the
+    last step is left out because the servers drain their stragglers' gradients there."""
     return statistics.median(m["step_time"] for m in run.metrics(0)[1:-1])
 
 
@@ -115,7 +120,6 @@ def preemption_rows(n: int, steps: int, runs_dir: str) -> list[dict]:
 
 
 def elastic_agent_rows(runs_dir: str) -> list[dict]:
-    from dlab.elastic import rehearse
     pace = {"kind": "slow", "rank": 0, "step": 0, "steps": 1000, "delay_s": DELAY}
     e = rehearse("ddp", lose_at=4, back_after=3, runs_dir=runs_dir, steps=60, batch_size=BATCH,
                  model="gpt", model_options=MODEL, optimizer="sgd", checkpoint_every=2, fault=pace)
@@ -126,7 +130,6 @@ def elastic_agent_rows(runs_dir: str) -> list[dict]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    from dlab.bench import _compression, _local_sgd
     n, steps = (2, 6) if quick else (4, 12)
     with tempfile.TemporaryDirectory(prefix="dlab-bench-scale-") as runs_dir:
         # a core per rank first, where the rule's clean + delay holds; then 4 ranks on 2 cores

@@ -4,7 +4,7 @@ For each degree, with and without sequence parallelism (and with it, both reduce
 ``reduce_scatter`` = ``backend``, Gloo's, a whole all-reduce, or ``ring``, dlab's): the step
 time; the bytes one rank sends per transformer layer per step, as the *ring model* counts them
 (``layer_model_bytes``: one layer's forward and backward through the counting ``Comm``, on ranks
-started by ``dlab.spawn``) beside ``dlab.estimate.tensor.layer_bytes``, and *measured* on the
+started by ``dlab.spawn``) beside ``dlab.theory.tensor.layer_bytes``, and *measured* on the
 wire in the same pass (``layer_wire_bytes``, ``dlab.comm.wire``); the whole step's bytes from
 the run: ``step_model_bytes`` (ring model) beside ``step_bytes``' formula, and
 ``step_wire_bytes`` (measured, the strategy's collectives: the step's total less the logged
@@ -21,9 +21,15 @@ import tempfile
 
 import torch
 
+from dlab import models
+from dlab.analysis.steps import step_time
 from dlab.bench import compared, median
+from dlab.comm.instrumented import Comm
 from dlab.comm.wire import NOT_MEASURABLE
-from dlab.estimate import tensor as est
+from dlab.parallel.tensor.model import TensorParallelGPT
+from dlab.procs.launch import launch
+from dlab.procs.spawn import spawn
+from dlab.theory import tensor as est
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 8, "seq_len": 128}
 QUICK_MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64}
@@ -33,9 +39,6 @@ BATCH = 8
 def _layer_traffic(model_options: dict, batch: int) -> dict[bool, float]:
     """On each rank: bytes sent by one transformer layer's forward and backward (rank 0's
     figure is returned by spawn), with and without sequence parallelism."""
-    from dlab import models
-    from dlab.comm.instrumented import Comm
-    from dlab.parallel.tensor.model import TensorParallelGPT
 
     comm, out = Comm(None), {}
     gpt = models.build("gpt", model_options, 0)
@@ -79,7 +82,6 @@ def _activations(run) -> int:
 
 
 def run(quick: bool = False) -> list[dict]:
-    import dlab
 
     model = QUICK_MODEL if quick else MODEL
     configs = ([(2, False, "backend"), (2, True, "backend"), (2, True, "ring")] if quick else
@@ -89,19 +91,19 @@ def run(quick: bool = False) -> list[dict]:
               "steps": 4 if quick else 6}
     rows, peers = [], []
     with tempfile.TemporaryDirectory() as runs_dir:
-        traffic = {t: dlab.spawn(_layer_traffic, t, model, BATCH, runs_dir=runs_dir)[0]
+        traffic = {t: spawn(_layer_traffic, t, model, BATCH, runs_dir=runs_dir)[0]
                    for t in sorted({t for t, _, _ in configs if t > 1})}
         for t, sp, algorithm in configs:
             options = {"tp": t, "sequence_parallel": sp}
-            mine = dlab.launch("tp", t, runs_dir=runs_dir, wait=True,
+            mine = launch("tp", t, runs_dir=runs_dir, wait=True,
                                options={**options, "reduce_scatter": algorithm}, **common)
-            peer = dlab.launch("torch-tp", t, runs_dir=runs_dir, wait=True, options=options,
+            peer = launch("torch-tp", t, runs_dir=runs_dir, wait=True, options=options,
                                **common) if algorithm == "backend" else None
             layer_model, layer_wire = traffic.get(t, {}).get((sp, algorithm), (0.0, 0))
             acts = est.activation_bytes(model, BATCH, t, sp)
             rows.append({
                 "name": "tp", "tp": t, "sp": sp, "reduce_scatter": algorithm,
-                "step_s": _steady(mine, "step_time"),
+                "step_s": step_time(mine),
                 "layer_model_bytes": layer_model,
                 "layer_model_bytes_formula": est.layer_bytes(model, BATCH, t, sp),
                 "layer_wire_bytes": NOT_MEASURABLE if layer_wire is None else layer_wire,
@@ -117,7 +119,7 @@ def run(quick: bool = False) -> list[dict]:
             if peer is None:
                 continue
             what = {"name": "tp vs torch-tp", "tp": t, "sp": sp}
-            peers.append(compared(_steady(mine, "step_time"), _steady(peer, "step_time"),
+            peers.append(compared(step_time(mine), step_time(peer),
                                   metric="step_s", **what))
             peers.append(compared(_activations(mine), _activations(peer),
                                   metric="act_bytes", **what))

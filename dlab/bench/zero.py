@@ -8,7 +8,7 @@ weights and Adam state, so K = 12) at 2 and 4 ranks, one row each with:
 - ``params_MiB``, ``grads_MiB``, ``optim_MiB``: each category measured on rank 0 (an offloaded
   optimizer counted under optim), beside ``*_formula_MiB``;
 - ``model_state_MiB``: parameters + gradients + optimizer state measured on rank 0, beside
-  ``formula_MiB`` (``dlab.estimate.memory``: dlab's exact accounting, padding and step counters
+  ``formula_MiB`` (``dlab.theory.memory``: dlab's exact accounting, padding and step counters
   included; for DDP the full fp32 replica) and ``paper_MiB`` (the ZeRO paper's 2/2/12 bytes per
   parameter divided per stage; for FSDP2, whose shards stay fp32 and whose padding is per
   tensor, the same 16 Psi / N total), and ``err_pct`` = measured / formula - 1;
@@ -19,7 +19,7 @@ weights and Adam state, so K = 12) at 2 and 4 ranks, one row each with:
   1-2, 3 x for stage 3); FSDP2's traffic bypasses dlab's counters and is left blank;
 - ``wire_MB_per_step``: *measured*, the bytes rank 0's process wrote to Gloo's transport in a
   step (``dlab.comm.wire``; FSDP2's included), beside ``gloo_formula_MB_per_step``, the model of
-  Gloo's real algorithms (``dlab.estimate.memory.zero_wire_bytes``, framing included, plus the
+  Gloo's real algorithms (``dlab.theory.memory.zero_wire_bytes``, framing included, plus the
   logged loss's all-reduce), for the dlab stages;
 - ``step_s``: median step time after the first step.
 
@@ -31,10 +31,12 @@ from __future__ import annotations
 import tempfile
 
 from dlab import models
+from dlab.analysis.steps import step_time
 from dlab.bench import compared, median
+from dlab.comm.gloo import gloo_all_reduce_bytes
 from dlab.comm.wire import NOT_MEASURABLE
-from dlab.estimate.comm import gloo_all_reduce_bytes
-from dlab.estimate.memory import (
+from dlab.procs.launch import launch
+from dlab.theory.memory import (
     ddp_memory,
     model_units,
     paper_memory,
@@ -42,7 +44,6 @@ from dlab.estimate.memory import (
     zero_memory,
     zero_wire_bytes,
 )
-from dlab.launch import launch
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64}
 MiB = 2 ** 20
@@ -96,7 +97,7 @@ def _measure(strategy: str, n: int, steps: int, root, reduce_scatter: str = "") 
                 (zero_wire_bytes(model_units("gpt", MODEL), n, 0, STAGE[strategy], reduce_scatter,
                                  mixed_precision=True) + gloo_all_reduce_bytes(4, n, 0)) / 1e6
                 if reduce_scatter else ""),
-            "step_s": median([m["step_time"] for m in ms[1:]])}
+            "step_s": step_time(run)}
 
 
 def _wire(ms: list[dict]):

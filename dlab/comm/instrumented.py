@@ -19,7 +19,7 @@ payload bytes, time, and three byte figures that must not be confused:
   (``dlab.comm.wire``; busy periods of overlapping async ops are booked whole, mixed ones under
   ``"overlapped:<ops>"``). ``None`` where the backend's bytes cannot be seen (NCCL, not Linux).
 - ``gloo_bytes``, the model of *Gloo's real algorithm* with its framing
-  (``dlab.estimate.comm.gloo_*``): what ``wire_bytes`` should be on Gloo, and is, exactly, in
+  (``dlab.comm.gloo``): what ``wire_bytes`` should be on Gloo, and is, exactly, in
   tests/test_wire_bytes.py. Gloo's reduce-scatter is a whole all-reduce, twice the ring's
   bytes; ``reduce_scatter_algorithm = "ring"`` runs dlab's own ring reduce-scatter instead.
 
@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dlab.comm import gloo as model
+from dlab.comm.algorithms.collectives import reduce_scatter
 from dlab.comm.wire import OVERLAPPED, meter
-from dlab.estimate import comm as model
 
 REDUCE_SCATTER_ALGORITHMS = ("backend", "ring")
 
@@ -210,8 +211,6 @@ class Comm:
                          async_op, model.gloo_reduce_scatter_bytes(s, n, self.rank, t.element_size()))
 
     def _ring_reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op, async_op: bool):
-        from dlab.comm.algorithms.collectives import reduce_scatter
-
         self.run_algorithm("reduce_scatter", nbytes(t),
                            lambda: reduce_scatter(out, t, group=self.group, op=op))
         return _Done() if async_op else None

@@ -4,7 +4,7 @@ On Linux every ``write``/``writev`` a process makes adds to ``wchar`` in ``/proc
 Gloo's TCP transport writes each message with ``writev`` from its own threads (and, for
 point-to-point ops, from the calling thread), so the change of the process's ``wchar`` over a
 collective is exactly the bytes this rank put on the wire for it, framing included: every Gloo
-message is preceded by a notification (see ``dlab.estimate.comm.GLOO_PREAMBLE``). Reading the
+message is preceded by a notification (see ``dlab.comm.gloo.GLOO_PREAMBLE``). Reading the
 counter costs one ``pread`` of an open file. Measured on the lab's 2-core machine under load
 (load average 7.7, 20 000 repetitions): a measured operation's two reads (its busy period opens
 and closes) take 18-22 us, with the bookkeeping 45-55 us in all, against ~1.5 ms (2 ranks) and
@@ -14,7 +14,7 @@ registered off-wire thread adds reads of its own counter (~35 us more under the 
 Other writers of the process are kept out of the count:
 
 - the rank's own logs, metrics and timeline are written between steps, outside every window
-  (``dlab.train`` writes a step's record after the step, and timeline events are held in memory
+  (``dlab.worker.train`` writes a step's record after the step, and timeline events are held in memory
   until then);
 - a thread that writes files during training (the asynchronous checkpoint writer) runs inside
   ``off_wire()``: its own counter (``/proc/self/task/<tid>/io``) is subtracted, and when it
@@ -32,7 +32,7 @@ the meter measures *busy periods*, from the first operation launched while none 
 to the completion of the last. A period whose operations are all one kind on one ``Comm`` is
 booked to that operation; a mixed period is booked, whole, under ``"overlapped:<its ops>"``
 (e.g. ``overlapped:all_gather+reduce_scatter``) on the ``Comm`` that opened it. Nothing is
-split by a model, and the sum over all entries is exact. ``dlab.train`` cuts an open period at
+split by a model, and the sum over all entries is exact. ``dlab.worker.train`` cuts an open period at
 each step boundary (``cut``), so a step is charged exactly what was written during it.
 A period also takes whatever else went on the wire while it was open without a ``Comm``: a
 collective called on ``torch.distributed`` directly (the logged loss's mean while an

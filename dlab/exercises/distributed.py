@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dlab.exercises import exercise, first_difference
+from dlab.exercises.registry import exercise, first_difference
 
 WORLD = 4
 

@@ -9,7 +9,10 @@ import math
 
 import torch
 
-from dlab.exercises import exercise, first_difference
+from dlab.exercises.registry import exercise, first_difference
+from dlab.layout import schedules
+from dlab.models.data import shard
+from dlab.theory.memory import paper_memory
 
 
 # --- 00: which rows a rank takes ----------------------------------------------------------------
@@ -19,10 +22,9 @@ def run_shard_rows(fn):
 
 @exercise(name="shard_rows", notebook="00_start_here",
           task="shard_rows(batch_size, rank, world_size): the rows of the global batch this rank "
-               "trains on (contiguous, equal shares, as dlab.data.shard cuts them)",
+               "trains on (contiguous, equal shares, as dlab.models.data.shard cuts them)",
           run=run_shard_rows)
 def judge_shard_rows(answer):
-    from dlab.data import shard
     for (b, r, n), got in answer.items():
         want = shard((torch.arange(b),), r, n)[0].tolist()
         if got != want:
@@ -41,7 +43,6 @@ def run_one_f_one_b(fn):
                "('F', i) / ('B', i) pairs: warm-up forwards, one forward one backward, drain",
           run=run_one_f_one_b)
 def judge_one_f_one_b(answer):
-    from dlab.parallel.pipeline import schedules
     for (p, m, s), got in answer.items():
         want = [("F" if a.kind == "forward" else "B", a.mb)
                 for a in schedules.one_f_one_b(p, m).compute(s)]
@@ -144,7 +145,6 @@ def run_zero_memory(fn):
                "stage 0-3 (Rajbhandari et al. 2020, fig. 1)",
           run=run_zero_memory)
 def judge_zero_memory(answer):
-    from dlab.estimate.memory import paper_memory
     for (psi, n, s), got in answer.items():
         want = sum(paper_memory(psi, n, s).values())
         if not math.isclose(got, want, rel_tol=1e-9):

@@ -7,8 +7,11 @@ reference: the generator is seeded right before construction and the model is bu
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from dlab.models.data import BYTE_VOCAB
 from dlab.models.gpt import GPT, GPTConfig
 from dlab.models.mlp import MLP, MLPConfig
 from dlab.models.moe import MoEConfig, MoEGPT
@@ -29,6 +32,40 @@ def model_config(name: str, options: dict):
     return cls(**options)
 
 
+def problems(name: str, options: dict) -> list[str]:
+    """What is wrong with model ``name`` and ``options``, each saying what to change: an
+    unknown model or option, an option of the wrong kind, the model's own checks
+    (``GPTConfig.problems``), a vocabulary smaller than the data's byte values."""
+    if not isinstance(options, dict):
+        return [f"model_options must be a dict of option name -> value (got {options!r})"]
+    try:
+        mc = model_config(name, options)
+    except (ValueError, TypeError) as e:
+        return [str(e)]
+    p = []
+    for key, value in options.items():
+        kind = type(mc.__dataclass_fields__[key].default)
+        if kind in (bool, str):
+            ok = isinstance(value, kind)
+        elif kind is float:
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and math.isfinite(value))
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        if not ok:
+            what = {bool: "True or False", str: "a string",
+                    float: "a finite number"}.get(kind, "a whole number")
+            p.append(f"model option {key} must be {what} (got {value!r})")
+    if p:
+        return p
+    p += mc.problems()
+    vocab = getattr(mc, "vocab_size", None)
+    if vocab is not None and vocab < BYTE_VOCAB:
+        p.append(f"model option vocab_size={vocab} is smaller than the data's {BYTE_VOCAB} "
+                 f"token values (the corpus is bytes); use vocab_size >= {BYTE_VOCAB}")
+    return p
+
+
 def build(name: str, options: dict, seed: int) -> torch.nn.Module:
     cfg = model_config(name, options)
     with torch.random.fork_rng(devices=[]):
@@ -37,4 +74,4 @@ def build(name: str, options: dict, seed: int) -> torch.nn.Module:
 
 
 __all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig", "MODELS", "MoEConfig", "MoEGPT", "build",
-           "model_config"]
+           "model_config", "problems"]

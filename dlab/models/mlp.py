@@ -2,7 +2,7 @@
 
 ``d_in -> d_hidden (x n_layer, ReLU) -> d_out`` with biases. Its parameter count is exact
 arithmetic, which is what the memory-accounting tests check the meters against. It learns a
-fixed random teacher network (see ``dlab.data.TeacherData``), so its loss goes down.
+fixed random teacher network (see ``dlab.models.data.TeacherData``), so its loss goes down.
 """
 from __future__ import annotations
 

@@ -38,6 +38,11 @@ from torch import nn
 
 from dlab.models.gpt import GPT, MLP, GPTConfig
 
+#: the options that change training rather than the model's shape (capacity, balancing
+#: losses); only strategies that route every layer's tokens as ``single`` does train them
+#: (``Strategy.trains_moe_options``)
+TRAINING_OPTIONS = ("capacity_factor", "aux_loss", "z_loss")
+
 
 @dataclass
 class MoEConfig(GPTConfig):
@@ -49,7 +54,7 @@ class MoEConfig(GPTConfig):
 
     def problems(self) -> list[str]:
         out = super().problems()
-        for name in ("capacity_factor", "aux_loss", "z_loss"):
+        for name in TRAINING_OPTIONS:
             if getattr(self, name) < 0:
                 out.append(f"model option {name}={getattr(self, name)} must be >= 0 (0 turns it off)")
         if not 1 <= self.top_k <= max(self.n_expert, 1):

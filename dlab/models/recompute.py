@@ -31,7 +31,7 @@ under any hooks registered on the block, so:
 
 Why reentrant ``torch.utils.checkpoint`` (``use_reentrant=True``): it saves the region's inputs
 with ``ctx.save_for_backward`` under whatever ``saved_tensors_hooks`` are active, so
-``dlab.metrics.ActivationMeter`` counts what recomputation keeps (the block's input, or q, k,
+``dlab.core.metrics.ActivationMeter`` counts what recomputation keeps (the block's input, or q, k,
 v). The non-reentrant version installs saved-tensor hooks of its own inside the region and keeps
 the inputs in a closure: the meter would see nothing of a recomputed block. The price of the
 reentrant one: gradients flow only to inputs that require them (an input that does not is made

@@ -1,8 +1,8 @@
 """The strategy registry: a strategy is launched by name from a notebook, the CLI or torchrun.
 
-Every module (or subpackage) of ``dlab.parallel`` registers its strategies with
-``@register(name)`` when imported; ``names()`` and ``get(name)`` import them all on first use, so
-a new strategy family is one new file and nothing else to edit.
+A module of ``dlab.parallel`` (at any depth) registers its strategies with ``@register(name)``
+when imported; ``names()`` and ``get(name)`` import every module of the package on first use,
+so a new strategy family is one new file and nothing else to edit.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def register(name: str):
 
 
 def names() -> list[str]:
-    for module in pkgutil.iter_modules(__path__, prefix=__name__ + "."):
+    for module in pkgutil.walk_packages(__path__, prefix=__name__ + "."):
         try:
             importlib.import_module(module.name)
         except Exception as e:  # noqa: BLE001 - one broken module must not hide the others

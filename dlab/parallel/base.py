@@ -2,7 +2,7 @@
 
 A strategy builds this rank's model and optimizer, does one optimizer step on a *global* batch
 (taking its own part of it), reports memory by category, and gives and takes state dicts. The
-loop (``dlab.train``) owns the data, timing, metrics and checkpoint cadence.
+loop (``dlab.worker.train``) owns the data, timing, metrics and checkpoint cadence.
 """
 from __future__ import annotations
 
@@ -12,11 +12,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dlab import checkpoint, models
+from dlab import models
 from dlab.comm.instrumented import REDUCE_SCATTER_ALGORITHMS, Comm
-from dlab.config import Option, RunConfig
-from dlab.metrics import ActivationMeter, model_state_memory
-from dlab.timeline import Timeline
+from dlab.core.config import RunConfig
+from dlab.core.events import Timeline
+from dlab.core.metrics import ActivationMeter, model_state_memory
+from dlab.core.options import Option
+from dlab.layout import Layout, shape
+from dlab.layout.schedules import Schedule
+from dlab.models.moe import moe_stats
+from dlab.runtime import checkpoint
+from dlab.theory import memory
 
 #: the option of every strategy that reduce-scatters (ZeRO's gradients, sequence parallelism,
 #: the all-gather attention's backward): Gloo's reduce_scatter is a whole all-reduce, twice the
@@ -25,6 +31,7 @@ REDUCE_SCATTER = {"reduce_scatter": Option(
     "choice", "'backend' (the backend's reduce_scatter_tensor; on Gloo a whole all-reduce) or "
     "'ring' (dlab's ring reduce-scatter: (N-1)/N of the input per rank)",
     default="backend", choices=REDUCE_SCATTER_ALGORITHMS)}
+
 
 @dataclass
 class Context:
@@ -46,6 +53,9 @@ class Strategy:
     world_sizes: tuple[int, ...] | None = None
     #: the options this strategy takes, by name: the one place they are declared and checked
     OPTIONS: dict[str, Option] = {}
+    #: it trains a MoE's capacity and balancing-loss options (``models.moe.TRAINING_OPTIONS``)
+    #: as ``single`` does: every layer's router sees the whole batch's counts
+    trains_moe_options = False
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -70,10 +80,43 @@ class Strategy:
 
     @classmethod
     def problems(cls, config: RunConfig) -> list[str]:
+        """The world sizes it runs at, the models it splits (``model_problems``), then, for a
+        strategy that splits the model over a layout, that layout's rules
+        (``dlab.layout.Layout.problems``, the one place they live)."""
         if cls.world_sizes is not None and config.world_size not in cls.world_sizes:
             return [f"strategy {config.strategy!r} runs at world_size {list(cls.world_sizes)}, "
                     f"not {config.world_size}"]
+        p = cls.model_problems(config)
+        lay = cls.layout(config)
+        if p or lay is None:
+            return p
+        return lay.problems(shape(config.model_config()), config.batch_size, config.world_size)
+
+    @classmethod
+    def model_problems(cls, config: RunConfig) -> list[str]:
+        """What of the model the strategy cannot train (e.g. a pipeline of the MLP)."""
         return []
+
+    @classmethod
+    def layout(cls, config: RunConfig) -> Layout | None:
+        """The layout its options ask for (``dlab.layout.Layout``: degrees, schedule, ...), for a
+        strategy that splits the model over one; None for one whose every rank holds it whole."""
+        return None
+
+    # --- its own theory (class level: the dashboard and ``check`` ask it, no name tables) ---
+    @classmethod
+    def predicted_state(cls, config: RunConfig, rank: int) -> dict[str, int] | None:
+        """Bytes of parameters, gradients and optimizer state ``rank`` should hold, by the
+        formulas of ``dlab.theory`` (written apart from this code); None where the strategy has
+        no per-rank formula."""
+        return None
+
+    @classmethod
+    def pipeline(cls, config: RunConfig) -> tuple[Schedule, list[list[int]]] | None:
+        """For a strategy that pipelines: the schedule every pipeline runs and the global ranks
+        of each pipeline, by pipeline rank (the bubble panel sets its formula beside the
+        measurement); None otherwise."""
+        return None
 
     # --- the interface --------------------------------------------------------------------
     def setup(self) -> None:
@@ -84,13 +127,12 @@ class Strategy:
         raise NotImplementedError
 
     def memory(self) -> dict[str, int]:
-        """Bytes held by this rank, by category (dlab.metrics.CATEGORIES)."""
+        """Bytes held by this rank, by category (dlab.core.metrics.CATEGORIES)."""
         raise NotImplementedError
 
     def step_extras(self) -> dict:
         """Figures of the step beyond the standard record: the routing of the model's MoE
         layers on this rank (``models.moe.moe_stats``), where it has them."""
-        from dlab.models.moe import moe_stats
         model = getattr(self, "model", None)
         return moe_stats(model) if isinstance(model, torch.nn.Module) else {}
 
@@ -104,12 +146,12 @@ class Strategy:
 
     def checkpoint_state(self) -> dict:
         """This rank's part of a checkpoint: ``{"params": {name: piece}, "optim": {name: {key:
-        piece or scalar}}, "hparams": [...]}``, names as in the single model (``dlab.checkpoint``
+        piece or scalar}}, "hparams": [...]}``, names as in the single model (``dlab.runtime.checkpoint``
         describes pieces). A strategy that does not implement it cannot checkpoint."""
         raise NotImplementedError
 
     def load_checkpoint_state(self, reader) -> None:
-        """Take this rank's part from a ``dlab.checkpoint.Reader`` written at any layout."""
+        """Take this rank's part from a ``dlab.runtime.checkpoint.Reader`` written at any layout."""
         raise NotImplementedError
 
     @classmethod
@@ -172,6 +214,13 @@ class WholeModel(Strategy):
 
     replicated = True
 
+    @classmethod
+    def predicted_state(cls, config, rank):
+        """A full replica in the run's precision (fp32): weights, gradients, optimizer state."""
+        with torch.device("meta"):  # the parameters' shapes, without allocating them
+            model = models.build(config.model, config.model_options, config.seed)
+        return memory.ddp_memory([p.numel() for p in model.parameters()], config.optimizer)
+
     def memory(self):
         return self.replica_memory(self.model, self.optimizer)
 
@@ -191,7 +240,5 @@ BUCKET_CAP_MB = Option("number", "MiB per gradient bucket, e.g. 25 (PyTorch's de
 
 
 def data_parallel_problems(config: RunConfig, dp: int) -> list[str]:
-    if config.batch_size % dp:
-        return [f"the global batch_size={config.batch_size} does not split evenly over {dp} "
-                f"data-parallel ranks; use a multiple of {dp}"]
-    return []
+    """The global batch split over ``dp`` replicas (``Layout.batch_problems``)."""
+    return Layout(dp=dp).batch_problems(config.batch_size)

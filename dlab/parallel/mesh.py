@@ -1,32 +1,36 @@
-"""A mesh of process groups for hybrid layouts (PP x DP, TP x DP, ...), passed to strategies.
+"""The process groups of a layout, passed to strategies: the only place ranks become groups.
 
-Ranks are laid out row-major over the named dimensions, the last varying fastest: with
-``Mesh({"dp": 2, "tp": 2})`` ranks 0,1 form a tensor-parallel group and 0,2 a data-parallel
-one, so the chattiest dimension (put last) is the one whose ranks sit on the same node -
-Megatron-LM's ordering. Built on ``torch.distributed.device_mesh`` (which creates one group per
-slice); dlab adds a counting ``Comm`` per dimension. No global singleton: two meshes can live
-side by side.
+``Mesh.of(layout)`` (or ``Mesh(dims)`` for the degrees alone) builds one group per dimension
+with ``torch.distributed.device_mesh`` and the groups that span several dimensions or part of
+one (``subgroup``, ``folded``) from ``dlab.layout.ranks``, whose arithmetic places every rank:
+the same degrees give the same ranks in every strategy. Each group comes wrapped in a counting
+``Comm``. No global singleton: two meshes can live side by side.
 """
 from __future__ import annotations
-
-import itertools
-import math
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from dlab.comm.instrumented import Comm
+from dlab.layout import ranks
+from dlab.layout.layout import MESH_ORDER, Layout
 
 
 class Mesh:
     def __init__(self, dims: dict[str, int], device_type: str = "cpu"):
-        if math.prod(dims.values()) != dist.get_world_size():
-            raise ValueError(f"mesh {dims} needs {math.prod(dims.values())} ranks, the world has "
+        """``dims``: degrees by dimension name, outermost first (the last varies fastest)."""
+        if ranks.world(dims) != dist.get_world_size():
+            raise ValueError(f"mesh {dims} needs {ranks.world(dims)} ranks, the world has "
                              f"{dist.get_world_size()}")
         self.dims = dict(dims)
         self.device_mesh = init_device_mesh(device_type, tuple(dims.values()),
                                             mesh_dim_names=tuple(dims))
         self.comms = {name: Comm(self.device_mesh.get_group(name)) for name in dims}
+
+    @classmethod
+    def of(cls, layout: Layout, device_type: str = "cpu") -> Mesh:
+        """The layout's mesh, pp x dp x cp x tp (``MESH_ORDER``)."""
+        return cls({d: layout.dims[d] for d in MESH_ORDER}, device_type)
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.device_mesh.get_group(dim)
@@ -42,58 +46,30 @@ class Mesh:
         return self.device_mesh.get_local_rank(dim)
 
     def coords(self) -> dict[str, int]:
-        return {d: self.rank(d) for d in self.dims}
+        return ranks.coords(self.dims, dist.get_rank())
 
     # --- groups across several dimensions -------------------------------------------------
-    def global_rank(self, coords: dict[str, int]) -> int:
-        """The rank at ``coords`` (row-major over the dimensions, the last fastest)."""
-        rank = 0
-        for d, n in self.dims.items():
-            rank = rank * n + coords[d]
-        return rank
+    def _mine(self, all_groups: list[list[int]]) -> Comm | None:
+        """Create every group (``new_group`` is collective: every rank creates every group, in
+        the same order) and return this rank's, or None where it is in none."""
+        me, mine = dist.get_rank(), None
+        for members in all_groups:
+            group = dist.new_group(members)
+            if me in members:
+                mine = Comm(group)
+        return mine
 
     def subgroup(self, dims: tuple[str, ...], select: dict[str, tuple[int, ...]] | None = None
                  ) -> Comm | None:
         """A counting ``Comm`` over the ranks that share this rank's coordinates on every
-        dimension but ``dims`` (e.g. ``("dp", "cp")``: the ranks a gradient is reduced over
-        when context parallelism shards the data too). ``select`` keeps only some coordinates
-        of a dimension in ``dims`` (the first and the last pipeline stage, which hold the tied
-        matrix). ``new_group`` is collective, so every rank creates every such group, in the
-        same order; returns this rank's, or None where it is in none."""
-        others = [d for d in self.dims if d not in dims]
-        select = select or {}
-        mine, me = None, self.coords()
-        for fixed in itertools.product(*(range(self.dims[d]) for d in others)):
-            base = dict(zip(others, fixed))
-            members = sorted(self.global_rank({**base, **dict(zip(dims, free))})
-                             for free in itertools.product(
-                                 *(select.get(d, range(self.dims[d])) for d in dims)))
-            group = dist.new_group(members)
-            if all(base[d] == me[d] for d in others) and all(me[d] in select.get(d, (me[d],))
-                                                             for d in dims):
-                mine = Comm(group)
-        return mine
+        dimension but ``dims`` (e.g. ``("dp", "cp")``: the data ranks a gradient is reduced
+        over). ``select`` keeps only some coordinates of a dimension in ``dims`` (the first and
+        the last pipeline stage, which hold the tied matrix)."""
+        return self._mine(ranks.groups(self.dims, dims, select))
 
     def folded(self, dims: tuple[str, ...], inner: int) -> tuple[Comm, Comm]:
         """A dimension of ``inner`` ranks folded onto ``dims`` (Megatron-Core's "parallel
-        folding" of expert parallelism onto the data ranks): the ranks sharing this rank's
-        other coordinates, in row-major order over ``dims``, are cut into consecutive runs of
-        ``inner`` (the folded groups) and into the ranks at the same place of each run (the
-        groups across them). Returns this rank's (folded group, group across)."""
-        others = [d for d in self.dims if d not in dims]
-        me = self.coords()
-        run = across = None
-        for fixed in itertools.product(*(range(self.dims[d]) for d in others)):
-            base = dict(zip(others, fixed))
-            ranks = [self.global_rank({**base, **dict(zip(dims, free))})
-                     for free in itertools.product(*(range(self.dims[d]) for d in dims))]
-            mine = all(base[d] == me[d] for d in others)
-            for k in range(len(ranks) // inner):
-                g = dist.new_group(ranks[k * inner:(k + 1) * inner])
-                if mine and dist.get_rank() in ranks[k * inner:(k + 1) * inner]:
-                    run = Comm(g)
-            for j in range(inner):
-                g = dist.new_group(ranks[j::inner])
-                if mine and dist.get_rank() in ranks[j::inner]:
-                    across = Comm(g)
-        return run, across
+        folding" of expert parallelism onto the data ranks): this rank's folded group and its
+        group across the runs (``dlab.layout.ranks.folded``)."""
+        runs, across = ranks.folded(self.dims, dims, inner)
+        return self._mine(runs), self._mine(across)

@@ -12,8 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from dlab.data import shard
-from dlab.metrics import ActivationMeter
+from dlab.core.metrics import ActivationMeter
+from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import BUCKET_CAP_MB, Option, WholeModel, data_parallel_problems
 from dlab.parallel.data_parallel import compression
@@ -27,6 +27,7 @@ HOOKS = (*CAST_HOOKS, "powersgd")
 class Single(WholeModel):
     """One process, the whole model and the whole global batch: the ground truth."""
     world_sizes = (1,)
+    trains_moe_options = True
 
     def setup(self) -> None:
         self.model = self.build_model()

@@ -3,7 +3,7 @@
 ``make browser-test`` runs it (it installs Selenium; Chromium and its driver come from Debian:
 ``apt-get install chromium chromium-driver``; nothing is downloaded at run time). It copies
 notebook 00 to a temporary directory with its launch cell's run lengthened (20 steps end before
-a screenshot can be taken twice), serves that directory with ``dlab.lab``'s command line, and in
+a screenshot can be taken twice), serves that directory with ``dlab.tools.jupyter``'s command line, and in
 the browser: runs the cells down to the launch cell by Shift+Enter, waits for the dashboard's
 chart, takes two screenshots of it seconds apart and requires them to differ (the run is live),
 clicks Stop and requires the cell to end with the run stopped and no rank process left. The
@@ -59,7 +59,7 @@ def _ranks_of(root: Path) -> list[psutil.Process]:
 
 @pytest.fixture
 def lab(tmp_path):
-    from dlab.lab import command
+    from dlab.tools.jupyter import command
 
     port = _free_port()
     launch_index = _notebook_copy(tmp_path)

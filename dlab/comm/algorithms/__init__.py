@@ -15,7 +15,7 @@ returns what this rank did (``report.Report``). ``ALGORITHMS`` maps their names 
     shm                 one host: reduce-scatter + all-gather in shared memory  shm.py
 
 ``collectives`` has reduce-scatter, all-gather, broadcast and all-to-all built the same way,
-and ``dlab.estimate.comm`` the alpha-beta cost of each.
+and ``dlab.theory.comm`` the alpha-beta cost of each.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ class Report:
     sent_bytes: int = 0
     recv_bytes: int = 0
     # messages on the transport: a send longer than the exchange's piece goes as several, and
-    # each carries the backend's framing (dlab.estimate.comm.gloo_framing on Gloo)
+    # each carries the backend's framing (dlab.comm.gloo.gloo_framing on Gloo)
     sent_pieces: int = 0
     recv_pieces: int = 0
     message_bytes: int = 0  # payload sent as messages: sent_bytes, except shm (barrier tokens)

@@ -49,7 +49,7 @@ reduce-scatter of (n-1) kv backward; ring (n-1) kv forward, then (n-1) kv of blo
 of gradient accumulators backward; Ulysses (n-1)/n of Q, K, V and the output (2 kv) forward
 and of their gradients backward, 4 (n-1)/n kv; USP 4 (u-1)/u kv inside the Ulysses group plus the
 ring's (3r - 2) kv over r = n/u groups (a ring block is h/u heads of u shares of tokens, kv
-again) (``dlab.estimate.context``).
+again) (``dlab.theory.context``).
 """
 from __future__ import annotations
 

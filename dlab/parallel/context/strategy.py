@@ -17,76 +17,22 @@ to a head split: cp must divide n_head) or ``"usp"`` (Ulysses inside groups of `
 consecutive cp ranks, default 2, the ring across the groups); ``layout`` = ``"zigzag"``
 (default) or ``"contiguous"``; ``cp`` = the context-parallel degree (default: every rank);
 ``reduce_scatter`` = ``"backend"`` (default) or ``"ring"`` (the all-gather attention's backward
-reduce-scatter by dlab's own ring, half the bytes of Gloo's). With fewer, the ranks form
-``Mesh({"dp": world/cp, "cp": cp})``: each group of cp adjacent ranks shares a slice of the
-batch and splits its sequences (CP x DP). The gradient all-reduce then runs over every rank,
-since each one's gradient covers different tokens.
+reduce-scatter by dlab's own ring, half the bytes of Gloo's). With fewer, the layout is dp =
+world / cp x cp (``dlab.layout``): each group of cp adjacent ranks shares a slice of the batch
+and splits its sequences (CP x DP). The gradient reduction (``dlab.parallel.grads``) then runs
+over every rank, since each one's gradient covers different tokens.
 """
 from __future__ import annotations
 
-import functools
-
 from dlab.comm.instrumented import reduce_scatter_option
-from dlab.data import shard
-from dlab.metrics import ActivationMeter
+from dlab.core.metrics import ActivationMeter
+from dlab.layout import Layout, tokens
+from dlab.models.data import shard
 from dlab.parallel import register
-from dlab.parallel.base import REDUCE_SCATTER, Option, WholeModel, data_parallel_problems
-from dlab.parallel.context import layout
-from dlab.parallel.context.attention import (
-    Hybrid,
-    Ring,
-    allgather_attention,
-    ring_attention,
-    ulysses_attention,
-    usp_attention,
-)
+from dlab.parallel.base import REDUCE_SCATTER, Option, WholeModel
+from dlab.parallel.context.core import ATTENTION, ULYSSES, attention_core
+from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.mesh import Mesh
-
-ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention,
-             "usp": usp_attention}
-ULYSSES = Option("int", "Ulysses ranks per group under attention='usp' (the ring runs across "
-                 "the groups)", default=2, minimum=1)
-
-
-def head_split(attention: str, cp: int, ulysses: int) -> int:
-    """Over how many ranks the attention splits the heads: cp for Ulysses, the Ulysses group
-    for USP, none for the ring and the all-gather."""
-    return {"ulysses": cp, "usp": ulysses}.get(attention, 1)
-
-
-def attention_problems(attention: str, n_head: int, cp: int, ulysses: int, tp: int = 1) -> list[str]:
-    """What makes ``attention`` impossible for ``n_head`` heads (cut over ``tp`` tensor-parallel
-    ranks first) on ``cp`` ranks, said with what to change."""
-    if attention == "usp" and cp % ulysses:
-        return [f"option ulysses={ulysses} must divide cp={cp} (USP cuts the cp ranks into "
-                f"groups of that many; the ring runs across the groups)"]
-    split, heads = head_split(attention, cp, ulysses), n_head // tp
-    if heads % split:
-        who = f"cp={cp}" if attention == "ulysses" else f"ulysses={ulysses}"
-        per_rank = f"n_head={n_head}" + (f" / tp={tp} = {heads}" if tp > 1 else "")
-        return [f"attention={attention!r} splits the heads over {split} ranks: {per_rank} is not "
-                f"a multiple of {who}; make it one (or use attention='ring')"]
-    return []
-
-
-def attention_core(attention: str, mesh: Mesh, positions: list, timeline=None, ulysses: int = 2):
-    """The attention core over ``mesh``'s cp dimension, and the Comms it talks over."""
-    if attention == "usp":
-        heads, across = mesh.folded(("cp",), ulysses)
-        return functools.partial(usp_attention, ring=Hybrid(heads, across, positions, timeline)), [
-            heads, across]
-    return (functools.partial(ATTENTION[attention], ring=Ring(mesh.comm("cp"), positions, timeline)),
-            [mesh.comm("cp")])
-
-
-def cp_options(config) -> tuple[str, str, int]:
-    return (str(config.options.get("attention", "ring")),
-            str(config.options.get("layout", "zigzag")),
-            int(config.options.get("cp", config.world_size)))
-
-
-def ulysses_option(config) -> int:
-    return int(config.options.get("ulysses", 2))
 
 
 @register("cp")
@@ -98,44 +44,39 @@ class ContextParallel(WholeModel):
         "attention": Option("choice", "how attention sees the other ranks' keys and values",
                             default="ring", choices=tuple(ATTENTION)),
         "layout": Option("choice", "how a sequence is cut over the ranks", default="zigzag",
-                         choices=layout.LAYOUTS),
+                         choices=tokens.LAYOUTS),
         "cp": Option("int", "the context-parallel degree (default: every rank)", minimum=1),
         "ulysses": ULYSSES,
         **REDUCE_SCATTER,
     }
 
     @classmethod
-    def problems(cls, config):
-        p = super().problems(config)
-        if p:
-            return p
+    def model_problems(cls, config):
         if config.model != "gpt":
             return [f"context parallelism splits a sequence; use model='gpt' (got {config.model!r})"]
-        _, lay, cp = cp_options(config)
-        if config.world_size % cp:
-            return [f"option cp={cp} must divide world_size={config.world_size} (cp x dp ranks)"]
-        p += data_parallel_problems(config, config.world_size // cp)
-        pieces = layout.chunks(lay, cp)
-        mc = config.model_config()
-        seq_len = mc.seq_len
-        p += attention_problems(cp_options(config)[0], mc.n_head, cp, ulysses_option(config))
-        if seq_len % pieces:
-            p.append(f"model option seq_len={seq_len} does not cut into {pieces} equal chunks "
-                     f"({lay} layout at cp={cp}); use a multiple of {pieces}")
-        return p
+        return []
+
+    @classmethod
+    def layout(cls, config) -> Layout:
+        o, world = config.options, config.world_size
+        cp = o.get("cp", world)
+        return Layout(dp=world // cp if cp and world % cp == 0 else 0, cp=cp,
+                      cp_layout=o.get("layout", "zigzag"), cp_attention=o.get("attention", "ring"),
+                      ulysses=o.get("ulysses", 2))
 
     def setup(self) -> None:
         ctx = self.ctx
-        attention, lay, cp = cp_options(ctx.config)
-        self.dp = ctx.world_size // cp
-        self.mesh = Mesh({"dp": self.dp, "cp": cp}, device_type=ctx.device.type)
+        lay = self.layout(ctx.config)
+        self.dp = lay.dp
+        self.mesh = Mesh.of(lay, device_type=ctx.device.type)
         seq_len = ctx.config.model_config().seq_len
-        positions = [layout.positions(lay, seq_len, r, cp).to(ctx.device) for r in range(cp)]
+        positions = [tokens.positions(lay.cp_layout, seq_len, r, lay.cp).to(ctx.device)
+                     for r in range(lay.cp)]
         self.positions = positions[self.mesh.rank("cp")]
         self.model = self.build_model()
         self.mesh.comm("cp").reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
-        core, self.attention_comms = attention_core(attention, self.mesh, positions, ctx.timeline,
-                                                    ulysses_option(ctx.config))
+        core, self.attention_comms = attention_core(lay.cp_attention, self.mesh, positions,
+                                                    ctx.timeline, lay.ulysses)
         for block in self.model.blocks:
             block.attn.core = core
         self.params = list(self.model.parameters())
@@ -151,10 +92,9 @@ class ContextParallel(WholeModel):
         with tl.span("forward"), self.meter.track():
             loss = self.model.criterion(self.model(x, self.positions), y)
         with tl.span("backward"):
-            (loss / comm.size).backward()
-        with tl.span("all_reduce"):
-            for p in self.params:
-                comm.all_reduce(p.grad)
+            loss.backward()
+        with tl.span("all_reduce"):  # every rank's gradient covers other tokens: the mean of all
+            reduce_gradients(self.params, comm)
         with tl.span("optimizer"):
             self.optimizer.step()
         return self.mean_loss(loss)

@@ -9,16 +9,8 @@
   hooks as soon as it is full, overlapping the rest of backward; ``no_sync`` accumulation.
 - ``local-sgd`` (``local_sgd.py``): inner steps with no communication, the replicas averaged
   (Local SGD) or moved by an outer Nesterov step (DiLoCo) every H steps; bytes in
-  ``dlab.estimate.local_sgd``; ``torch-local-sgd`` is PyTorch's ``PeriodicModelAverager``.
+  ``dlab.theory.local_sgd``; ``torch-local-sgd`` is PyTorch's ``PeriodicModelAverager``.
 
-``dlab.estimate.data_parallel`` has the bytes each moves; ``torch-ddp`` (``reference.py``) is
+``dlab.theory.data_parallel`` has the bytes each moves; ``torch-ddp`` (``reference.py``) is
 PyTorch's DistributedDataParallel, the peer in ``python -m dlab bench ddp``.
 """
-from dlab.parallel.data_parallel import (  # noqa: F401 - registers
-    backup_workers,
-    ddp,
-    downpour,
-    local_sgd,
-    naive,
-    parameter_server,
-)

@@ -36,7 +36,7 @@ class Bucket:
 def assign(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
     """Greedy assignment of tensors (given in the order they become ready) to buckets of at most
     ``cap_bytes``; a tensor larger than the cap gets a bucket of its own. Returns index lists.
-    Pure arithmetic, so ``dlab.estimate.data_parallel`` predicts the bucket count with it."""
+    Pure arithmetic, so ``dlab.theory.data_parallel`` predicts the bucket count with it."""
     if cap_bytes <= 0:
         raise ValueError(f"the bucket cap must be positive (got {cap_bytes} bytes)")
     out: list[list[int]] = []

@@ -19,7 +19,7 @@ on its communication thread as each bucket fills, so compression still overlaps 
 - ``topk`` (``TopK``): sparsification with memory (Stich, Cordonnier & Jaggi, "Sparsified SGD
   with Memory", NeurIPS 2018; Lin et al., "Deep Gradient Compression", ICLR 2018).
 
-``dlab.estimate.compression`` has the bytes each sends, derived from the papers apart from this
+``dlab.theory.compression`` has the bytes each sends, derived from the papers apart from this
 code; tests/test_compression.py checks both against runs and each rule against a one-process
 re-implementation.
 """

@@ -40,6 +40,7 @@ import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from dlab.comm.algorithms import ALGORITHMS
 from dlab.parallel import register
 from dlab.parallel.base import BUCKET_CAP_MB, Option
 from dlab.parallel.data_parallel import compression
@@ -48,15 +49,6 @@ from dlab.parallel.data_parallel.replica import Replica
 
 MiB = 2 ** 20
 ALLREDUCE = ("backend", "ring")
-
-
-def ring_algorithm():
-    """dlab's ring all-reduce, or None where ``dlab.comm.algorithms`` is not there."""
-    try:
-        from dlab.comm.algorithms import ALGORITHMS
-    except ImportError:
-        return None
-    return ALGORITHMS.get("ring")
 
 
 def ddp_options(config) -> tuple[float, int, str]:
@@ -94,9 +86,6 @@ class DistributedDataParallel(Replica):
         if p:
             return p
         _, k, allreduce = ddp_options(config)
-        if allreduce == "ring" and ring_algorithm() is None:
-            p.append("allreduce='ring' needs dlab's ring all-reduce (dlab.comm.algorithms), "
-                     "which this installation lacks; use allreduce='backend'")
         p += compress_problems(config, allreduce)
         if not p and config.batch_size % (config.world_size * k):
             p.append(f"the global batch_size={config.batch_size} does not split into "
@@ -113,7 +102,7 @@ class DistributedDataParallel(Replica):
             p.register_post_accumulate_grad_hook(self._grad_ready)
         # A single thread keeps the ring's point-to-point messages, or a compressor's
         # collectives, in bucket order.
-        self.ring = ring_algorithm() if self.allreduce == "ring" else None
+        self.ring = ALGORITHMS["ring"] if self.allreduce == "ring" else None
         self.compressor = compression.make(self.ctx.config, self.ctx.comm, self.buckets, self.params)
         threaded = self.ring is not None or self.compressor is not None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dlab-comm") if threaded else None

@@ -4,7 +4,7 @@ Every rank holds a replica and takes an optimizer step on its own shard of each 
 with no communication (the *inner* step, with the run's optimizer); every H steps (option
 ``sync_every``) the replicas synchronise with one all-reduce of their parameters through the
 counting ``Comm``. Bytes per rank fall from 2 (N-1)/N P on every step (``ddp``) to that on one
-step in H (``dlab.estimate.local_sgd``); the price is that replicas drift apart between syncs.
+step in H (``dlab.theory.local_sgd``); the price is that replicas drift apart between syncs.
 
 ``outer="average"``: Local SGD (Stich, "Local SGD Converges Fast and Communicates Little",
 2019; Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", 2020): at a sync every replica
@@ -46,10 +46,10 @@ import torch
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+from dlab.comm import gloo as comm_model
 from dlab.comm.instrumented import nbytes
 from dlab.comm.wire import meter
-from dlab.estimate import comm as comm_model
-from dlab.metrics import storage_bytes
+from dlab.core.metrics import storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
 from dlab.parallel.data_parallel.parameter_server import copy_flat_into
@@ -77,6 +77,11 @@ class _Periodic(Replica):
     replicated = False
     checkpoint_state = Strategy.checkpoint_state
     load_checkpoint_state = Strategy.load_checkpoint_state
+
+    @classmethod
+    def predicted_state(cls, config, rank):
+        """No formula: DiLoCo's outer step holds its own state beside the inner optimizer's."""
+        return None
 
     def setup(self) -> None:
         super().setup()

@@ -7,7 +7,7 @@ the same optimizer step on the same averaged gradient, so the replicas stay iden
 Two costs ``ddp`` removes: communication starts only after the whole backward (nothing
 overlaps), and a model of T tensors pays T times the per-message latency (alpha-beta:
 T * 2(N-1) alpha on a ring, whatever the bytes). Bytes on the wire are the same as ``ddp``'s:
-2 (N-1)/N * P per rank and step for P bytes of gradients (``dlab.estimate.data_parallel``).
+2 (N-1)/N * P per rank and step for P bytes of gradients (``dlab.theory.data_parallel``).
 """
 from __future__ import annotations
 

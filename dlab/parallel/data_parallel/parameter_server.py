@@ -13,7 +13,7 @@ Every worker moves twice the weights, whatever N, but the server's link carries 
 worker's traffic and the server is also the only rank that runs the optimizer: it is the
 bottleneck, which is why all-reduce (every rank sends 2 (N-1)/N P, spread evenly) replaced it
 for dense models. The messages are plain ``send`` / ``recv`` through the counting ``Comm``, so
-the figures above are what the metrics show (``dlab.estimate.data_parallel.ps_bytes``).
+the figures above are what the metrics show (``dlab.theory.data_parallel.ps_bytes``).
 
 ``ps-sync``: the server waits for every gradient, averages them (its own included), steps, and
 sends the new weights back; identical to ``single`` on the global batch, up to float order.
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from dlab.metrics import ActivationMeter, model_state_memory, storage_bytes
+from dlab.core.metrics import ActivationMeter, model_state_memory, storage_bytes
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
 from dlab.parallel.data_parallel.replica import Replica
@@ -55,6 +55,11 @@ class ServedReplica(Replica):
     replicated = False
     checkpoint_state = Strategy.checkpoint_state
     load_checkpoint_state = Strategy.load_checkpoint_state
+
+    @classmethod
+    def predicted_state(cls, config, rank):
+        """No formula: the server holds the optimizer, the workers none."""
+        return None
 
     def setup(self) -> None:
         self.model = self.build_model()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 from concurrent.futures import ThreadPoolExecutor
 
-from dlab.metrics import model_state_memory, storage_bytes
+from dlab.core.metrics import model_state_memory, storage_bytes
 from dlab.parallel.data_parallel.parameter_server import ServedReplica
 
 

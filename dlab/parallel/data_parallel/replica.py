@@ -1,5 +1,5 @@
 """What every data-parallel strategy here shares: a whole model replica on each rank, and the
-rank's contiguous slice of the global batch (``dlab.data.shard``, DistributedSampler without
+rank's contiguous slice of the global batch (``dlab.models.data.shard``, DistributedSampler without
 shuffling).
 
 Learning rate and global batch: data parallelism over N ranks with a per-rank batch b trains
@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from dlab import checkpoint
-from dlab.data import shard
-from dlab.metrics import ActivationMeter
-from dlab.parallel.base import Strategy, data_parallel_problems
+from dlab.core.metrics import ActivationMeter
+from dlab.models.data import shard
+from dlab.parallel.base import WholeModel, data_parallel_problems
 
 
-class Replica(Strategy):
+class Replica(WholeModel):
     """Base of the data-parallel strategies: one replica per rank, the batch split by rank.
     Replicas equal after every step checkpoint as one (rank 0's part); a subclass whose ranks
     hold different state (a parameter server's workers have no optimizer) opts out."""
-
-    replicated = True
 
     @classmethod
     def problems(cls, config):
@@ -39,15 +36,3 @@ class Replica(Strategy):
 
     def my_shard(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(t.to(self.ctx.device) for t in shard(batch, self.ctx.rank, self.ctx.world_size))
-
-    def memory(self):
-        return self.replica_memory(self.model, self.optimizer)
-
-    def full_state_dict(self):
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-
-    def checkpoint_state(self):
-        return checkpoint.replica_state(self.model, self.optimizer)
-
-    def load_checkpoint_state(self, reader):
-        checkpoint.load_replica(self.model, self.optimizer, reader)

@@ -16,7 +16,7 @@ The all-to-all is its own adjoint: the gradient of the rows received is sent bac
 same splits reversed, so autograd needs one small Function. Per layer and step a rank sends
 the rows it routes off-rank twice (forward, and the gradient of their answers) and the rows it
 received twice (their answers, and the gradient of the rows), d x 4 bytes each, plus the counts
-and each sent row's expert index (``dlab.estimate.expert``).
+and each sent row's expert index (``dlab.theory.expert``).
 """
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ import contextlib
 import torch
 
 from dlab.comm.instrumented import Comm
+
+
+def owner(expert: int, n_expert: int, ranks: int) -> int:
+    """The rank of an expert-parallel group of ``ranks`` that holds ``expert``: rank r holds
+    experts [r E/n, (r+1) E/n)."""
+    return expert // (n_expert // ranks)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -19,15 +19,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dlab.data import shard
-from dlab.metrics import ActivationMeter, model_state_memory
+from dlab.core.metrics import ActivationMeter, model_state_memory
+from dlab.layout import Layout
+from dlab.models.data import shard
 from dlab.parallel import register
-from dlab.parallel.base import Strategy, data_parallel_problems
-from dlab.parallel.expert.dispatch import ExpertParallelCombine
-
-
-def owner(expert: int, n_expert: int, ranks: int) -> int:
-    return expert // (n_expert // ranks)
+from dlab.parallel.base import Strategy
+from dlab.parallel.expert.dispatch import ExpertParallelCombine, owner
+from dlab.parallel.grads import reduce_gradients
 
 
 @register("ep")
@@ -35,17 +33,19 @@ class ExpertParallel(Strategy):
     """Expert parallelism x data parallelism: experts split over ranks, tokens sent to them
     by all-to-all."""
 
+    trains_moe_options = True
+
     @classmethod
-    def problems(cls, config):
-        p = super().problems(config)
+    def model_problems(cls, config):
         if config.model != "moe":
-            return p + [f"expert parallelism splits a mixture of experts; use model='moe' "
-                        f"(got {config.model!r})"]
-        n_expert = config.model_config().n_expert
-        if n_expert % config.world_size:
-            p.append(f"model option n_expert={n_expert} does not split evenly over "
-                     f"world_size={config.world_size}; use a multiple of {config.world_size}")
-        return p + data_parallel_problems(config, config.world_size)
+            return [f"expert parallelism splits a mixture of experts; use model='moe' "
+                    f"(got {config.model!r})"]
+        return []
+
+    @classmethod
+    def layout(cls, config) -> Layout:
+        """Every rank a data rank, and the experts split over all of them."""
+        return Layout(dp=config.world_size, ep=config.world_size)
 
     def setup(self) -> None:
         ctx = self.ctx
@@ -81,9 +81,8 @@ class ExpertParallel(Strategy):
             loss = self.model.criterion(self.model(x), y)
         with tl.span("backward"):
             (loss / comm.size).backward()
-        with tl.span("all_reduce"):
-            for p in self.dense:
-                comm.all_reduce(p.grad)
+        with tl.span("all_reduce"):  # the 1/n is in the loss already: the dense gradients' sum
+            reduce_gradients(self.dense, comm, divide_by=1)
         with tl.span("optimizer"):
             self.optimizer.step()
         return self.mean_loss(loss)

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dlab.comm.instrumented import Comm
-from dlab.metrics import storage_bytes
+from dlab.core.metrics import storage_bytes
+from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.zero.flat import FlatUnit
 
 Group = tuple[str, nn.Module | None, list[tuple[str, nn.Parameter]]]
@@ -128,12 +129,8 @@ class DataSharding:
         """Average the gradients over the data ranks: an all-reduce (stage 0) or a
         reduce-scatter of each unit into its owned chunk."""
         if not self.units:
-            grads = [p.grad for p in self.params]
-            flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.divide_by)
             with self.tl.span("all_reduce", what="dp"):
-                self.comm.all_reduce(flat)
-            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(part.view_as(g))
+                reduce_gradients(self.params, self.comm, self.divide_by)
             return
         for u in self.units:
             with self.tl.span("reduce_scatter", unit=u.name):

@@ -8,7 +8,9 @@ the dp x cp data ranks); ``schedule`` (gpipe, 1f1b - default -, interleaved, zb-
 ``microbatches`` (default 4 with pp > 1, else 1), ``virtual_stages``; ``sequence_parallel``;
 ``attention`` (ring, allgather, ulysses or usp, with ``ulysses`` its group size) and ``layout``
 (zigzag or contiguous) for cp;
-``reduce_scatter`` (backend or ring) and ``recv_ahead``. The mesh and its order: ``layout.py``.
+``reduce_scatter`` (backend or ring), ``recv_ahead`` and ``balance`` (deal blocks out to stages by
+parameter count, default, or by measured time). The layout, its order and its rules:
+``dlab.layout``; the ``pipeline-*`` strategies are this one with pp alone (and dp, tp).
 
 One step, on every rank, is built from the single-dimension strategies' parts:
 
@@ -16,7 +18,8 @@ One step, on every rank, is built from the single-dimension strategies' parts:
    tensor-parallel shard (``TensorParallelGPT``), its MoE layers' experts cut to this rank's
    E/ep with the all-to-all dispatch (``ExpertParallelCombine``), every attention core
    replaced by the ring (all-gather, Ulysses, USP) over the cp group (``context.attention``); the
-   blocks dealt out to pipeline stages by parameter count (``StageModule``, ``partition``);
+   blocks dealt out to pipeline stages by parameter count or measured time (``StageModule``,
+   ``dlab.layout.stages.partition``);
 2. the data: this replica's rows of the global batch (by dp coordinate), this cp rank's
    tokens of each sequence (``context.layout.positions``), cut into m micro-batches;
 3. the schedule: ``pipeline.Executor`` runs this pipeline rank's action list (with pp = 1, a
@@ -38,24 +41,35 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm.instrumented import reduce_scatter_option
-from dlab.data import shard
-from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.layout import SCHEDULES, Layout, ranks, tokens
+from dlab.layout.stages import partition
+from dlab.models.data import make_data, shard
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy
-from dlab.parallel.context import layout as cp_layout
-from dlab.parallel.context.strategy import ATTENTION, ULYSSES, attention_core, attention_problems
-from dlab.parallel.expert.dispatch import ExpertParallelCombine
-from dlab.parallel.expert.strategy import owner
+from dlab.parallel.context.core import ATTENTION, ULYSSES, attention_core
+from dlab.parallel.expert.dispatch import ExpertParallelCombine, owner
+from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.mesh import Mesh
-from dlab.parallel.nd.layout import MESH_ORDER, SCHEDULES, Layout
 from dlab.parallel.nd.sharding import DataSharding, stage_groups
-from dlab.parallel.pipeline import schedules
 from dlab.parallel.pipeline.executor import Executor
-from dlab.parallel.pipeline.split import StageModule, param_costs, partition
+from dlab.parallel.pipeline.split import StageModule, param_costs, time_costs
 from dlab.parallel.pipeline.weight_grad import WeightGradStore, split_linears
-from dlab.parallel.tensor.model import TensorParallelGPT
-from dlab.parallel.tensor.strategy import all_reduce_grads, gather_shards
+from dlab.parallel.tensor.model import TensorParallelGPT, gather_shards
 from dlab.parallel.zero.sharded import UnitActivationMeter
+from dlab.theory import nd as nd_theory
+
+#: the pipeline's options, ``nd``'s and ``pipeline-*``'s alike
+PIPELINE_OPTIONS = {
+    "microbatches": Option("int", "micro-batches per step (default 4 with pp > 1, else 1; the "
+                           "naive pipeline 1)", minimum=1),
+    "virtual_stages": Option("int", "stages per rank for the interleaved schedules (default 2)",
+                             minimum=1),
+    "balance": Option("choice", "deal blocks out to stages by parameter count or by measured "
+                      "time", default="params", choices=("params", "time")),
+    "recv_ahead": Option("int", "pipeline receives kept posted ahead (default 2v on Gloo, 0 on "
+                         "NCCL)", minimum=0),
+}
 
 OPTIONS = {
     "dp": Option("int", "data-parallel replicas (default: world / (pp tp cp))", minimum=1),
@@ -65,19 +79,15 @@ OPTIONS = {
     "ep": Option("int", "expert-parallel ranks, folded onto the dp x cp data ranks (model='moe')",
                  default=1, minimum=1),
     "zero": Option("int", "ZeRO stage over the dp x cp data ranks (0-3)", default=0, minimum=0),
-    "schedule": Option("choice", "the pipeline schedule", default="1f1b", choices=SCHEDULES),
-    "microbatches": Option("int", "micro-batches per step (default 4 with pp > 1, else 1)",
-                           minimum=1),
-    "virtual_stages": Option("int", "stages per rank for interleaved (default 2)", minimum=1),
+    "schedule": Option("choice", "the pipeline schedule", default="1f1b",
+                       choices=tuple(s for s in SCHEDULES if s != "naive")),
     "sequence_parallel": Option("bool", "split the sequence over tp outside the tensor-parallel "
                                 "regions (Korthikanti et al.)", default=False),
     "attention": Option("choice", "context-parallel attention", default="ring",
                         choices=tuple(ATTENTION)),
     "ulysses": ULYSSES,
-    "layout": Option("choice", "how cp cuts a sequence", default="zigzag",
-                     choices=cp_layout.LAYOUTS),
-    "recv_ahead": Option("int", "pipeline receives kept posted ahead (default 2v on Gloo)",
-                         minimum=0),
+    "layout": Option("choice", "how cp cuts a sequence", default="zigzag", choices=tokens.LAYOUTS),
+    **PIPELINE_OPTIONS,
     **REDUCE_SCATTER,
 }
 
@@ -89,32 +99,63 @@ class ND(Strategy):
     OPTIONS = OPTIONS
 
     @classmethod
+    def layout(cls, config) -> Layout:
+        return Layout.from_options(config.options, config.world_size)
+
+    @classmethod
+    def model_problems(cls, config):
+        if config.model not in ("gpt", "moe"):
+            return [f"{config.strategy} composes the GPT's dimensions; use model='gpt' or "
+                    f"'moe' (got {config.model!r})"]
+        return []
+
+    @classmethod
     def problems(cls, config):
         out = super().problems(config)
-        lay = Layout.from_config(config)
-        out += lay.problems(config)
-        if lay.cp > 1 and not out:
-            out += attention_problems(config.options.get("attention", "ring"),
-                                      config.model_config().n_head, lay.cp,
-                                      int(config.options.get("ulysses", 2)), lay.tp)
-        if config.options.get("recv_ahead", 0) > 0 and config.resolved_backend() == "nccl":
-            out.append("recv_ahead > 0 can deadlock on NCCL; use recv_ahead=0 with NCCL")
+        if cls.recv_ahead(config) > 0 and config.resolved_backend() == "nccl":
+            out.append(f"recv_ahead={cls.recv_ahead(config)} can deadlock on NCCL (a posted receive "
+                       f"holds the stream a send to the same peer needs); use recv_ahead=0 with "
+                       f"NCCL, or backend='gloo'")
         return out
+
+    @classmethod
+    def recv_ahead(cls, config) -> int:
+        """Receives kept posted ahead: 2v on Gloo (about one per stream a rank receives on),
+        none on NCCL (``dlab.parallel.pipeline.executor``)."""
+        if "recv_ahead" in config.options:
+            return config.options["recv_ahead"]
+        return 0 if config.resolved_backend() == "nccl" else 2 * cls.layout(config).virtual_stages
+
+    # --- its theory ---------------------------------------------------------------------
+    @classmethod
+    def predicted_state(cls, config, rank):
+        """``dlab.theory.nd.model_state`` of this rank's pipeline stage(s)."""
+        lay = cls.layout(config)
+        pp_rank = ranks.coords(lay.dims, rank)["pp"]
+        state = nd_theory.model_state(config.model_config(), lay, pp_rank, config.optimizer)
+        return {k: state[k] for k in ("parameters", "gradients", "optimizer")}
+
+    @classmethod
+    def pipeline(cls, config):
+        lay = cls.layout(config)
+        if lay.pp == 1:
+            return None
+        return lay.pipeline(), ranks.groups(lay.dims, ("pp",))
 
     # --- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
         ctx, cfg = self.ctx, self.ctx.config
-        self.lay = lay = Layout.from_config(cfg)
-        self.mesh = mesh = Mesh(lay.dims, device_type=ctx.device.type)
+        self.lay = lay = self.layout(cfg)
+        self.mesh = mesh = Mesh.of(lay, device_type=ctx.device.type)
         self.pp_rank = mesh.rank("pp")
-        for dim in MESH_ORDER:
-            mesh.comm(dim).reduce_scatter_algorithm = reduce_scatter_option(cfg)
+        for comm in mesh.comms.values():
+            comm.reduce_scatter_algorithm = reduce_scatter_option(cfg)
         self.data_comm = mesh.subgroup(("dp", "cp"))
         self.data_comm.reduce_scatter_algorithm = reduce_scatter_option(cfg)
-        self.sched = schedules.build(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
+        self.sched = lay.pipeline()
         full = self.build_model()
         self.state_keys = list(full.state_dict())
-        blocks, first, last = param_costs(full)
+        blocks, first, last = self._block_costs(full)
         self.ranges = partition(blocks, self.sched.n_stages, first, last)
         model = full
         if lay.tp > 1:
@@ -145,13 +186,26 @@ class ND(Strategy):
         if self.store is not None:
             for st in self.stages.values():
                 split_linears(st, self.store)
-        k = cfg.options.get("recv_ahead", 0 if cfg.resolved_backend() == "nccl"
-                            else 2 * lay.virtual_stages)
         self.executor = Executor(self.sched, self.pp_rank, self.stages, mesh.comm("pp"),
-                                 ctx.timeline, self.meter, self.store, ctx.device, recv_ahead=k)
+                                 ctx.timeline, self.meter, self.store, ctx.device,
+                                 recv_ahead=self.recv_ahead(cfg))
         mc = cfg.model_config()
-        tokens = mc.seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1)
-        self.act_shape = (cfg.batch_size // (lay.dp * lay.microbatches), tokens, mc.d_model)
+        tokens_per_rank = mc.seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1)
+        self.act_shape = (cfg.batch_size // (lay.dp * lay.microbatches), tokens_per_rank, mc.d_model)
+
+    def _block_costs(self, model) -> tuple[list[float], float, float]:
+        """Each block's load (and the embedding's and head's), by parameter count or, with
+        ``balance="time"``, by forward+backward time measured on rank 0 and broadcast."""
+        cfg = self.ctx.config
+        if cfg.options.get("balance", "params") != "time":
+            return param_costs(model)
+        costs = [None]
+        if self.ctx.rank == 0:
+            rows = cfg.batch_size // (self.lay.dp * self.lay.microbatches)
+            x, y = (t[:rows].to(self.ctx.device) for t in make_data(cfg).global_batch(0))
+            costs = [time_costs(model, (x, y))]
+        dist.broadcast_object_list(costs, src=0)
+        return costs[0]
 
     def _split_experts(self, model):
         """Keep this rank's E/ep experts of every MoE layer and route tokens to the others'
@@ -199,12 +253,11 @@ class ND(Strategy):
         self.context_comms = []
         if lay.cp == 1:
             return None
-        how = cfg.options.get("layout", "zigzag")
         seq_len = cfg.model_config().seq_len
-        positions = [cp_layout.positions(how, seq_len, r, lay.cp).to(self.ctx.device)
+        positions = [tokens.positions(lay.cp_layout, seq_len, r, lay.cp).to(self.ctx.device)
                      for r in range(lay.cp)]
-        core, self.context_comms = attention_core(cfg.options.get("attention", "ring"), self.mesh,
-                                                  positions, ulysses=int(cfg.options.get("ulysses", 2)))
+        core, self.context_comms = attention_core(lay.cp_attention, self.mesh, positions,
+                                                  ulysses=lay.ulysses)
         for block in model.blocks:
             block.attn.core = core
         return positions[self.mesh.rank("cp")]
@@ -235,7 +288,7 @@ class ND(Strategy):
                 self.tied_comm.all_reduce(self.stages_param("embed.tok.weight").grad)
         if self.sp_params:
             with tl.span("all_reduce", what="sequence_parallel"):
-                all_reduce_grads(self.sp_params, self.mesh.comm("tp"), average=False)
+                reduce_gradients(self.sp_params, self.mesh.comm("tp"), divide_by=1)
         for s in self.shardings:
             s.reduce()
             s.hand_grads()

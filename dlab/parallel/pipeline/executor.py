@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm.instrumented import Comm, nbytes
-from dlab.metrics import ActivationMeter, storage_bytes
-from dlab.parallel.pipeline.schedules import Schedule
+from dlab.core.events import Timeline
+from dlab.core.metrics import ActivationMeter, storage_bytes
+from dlab.layout.schedules import Schedule
 from dlab.parallel.pipeline.split import StageModule
 from dlab.parallel.pipeline.weight_grad import WeightGradStore
-from dlab.timeline import Timeline
 
 
 def tag(sender: int, mb: int, receiver: int, n_stages: int) -> int:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlab.metrics import ActivationMeter
+from dlab.core.metrics import ActivationMeter
 
 
 class WeightGradStore:

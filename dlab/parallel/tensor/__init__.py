@@ -1,4 +1,3 @@
 """Tensor and sequence parallelism: dlab's Megatron-style ``tp`` (f / g operators, column and
 row-parallel layers, vocabulary-parallel embedding and loss, sequence parallelism, TP x DP) and
 PyTorch's ``parallelize_module`` on the same model as ``torch-tp``, its peer."""
-from dlab.parallel.tensor import strategy, torch_tp  # noqa: F401 - registers "tp", "torch-tp"

@@ -23,6 +23,7 @@ is each name's shards concatenated along ``SHARD_DIMS``.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -181,3 +182,23 @@ class TensorParallelGPT(nn.Module):
         if not self.sequence_parallel:
             return []
         return [p for name, p in self.named_parameters() if self.shard_dim(name) is None]
+
+
+def gather_shards(t: torch.Tensor, dim: int | None, group) -> torch.Tensor:
+    """The full tensor whose shards along ``dim`` the ranks of ``group`` hold (``t`` itself if
+    ``dim`` is None: a parameter whole on every rank). Uses the raw backend, not ``Comm``: this
+    is checkpoint and parity traffic, not the training step's."""
+    t = t.detach()
+    size = dist.get_world_size(group)
+    if dim is None or size == 1:
+        return t
+    local = t.movedim(dim, 0).contiguous()
+    full = local.new_empty((size * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(full, local, group=group)
+    return full.movedim(0, dim)
+
+
+def gather_full_state(model: TensorParallelGPT, group) -> dict[str, torch.Tensor]:
+    """Every parameter at full size under ``GPT``'s names, on every rank of ``group``."""
+    return {name: gather_shards(p, model.shard_dim(name), group).cpu().clone()
+            for name, p in model.state_dict().items()}

@@ -42,12 +42,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dlab.data import shard
-from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
+from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.mesh import Mesh
-from dlab.parallel.tensor.strategy import OPTIONS, all_reduce_grads, tensor_parallel_problems, tp_options
+from dlab.parallel.tensor.strategy import OPTIONS, TensorParallelLayout
 from dlab.parallel.zero.torch_fsdp import ParamMeter, shard_with_fsdp2
 
 
@@ -97,7 +98,7 @@ def block_plan(sequence_parallel: bool) -> dict:
 
 
 @register("torch-tp")
-class TorchTensorParallel(Strategy):
+class TorchTensorParallel(TensorParallelLayout, Strategy):
     """PyTorch's ``parallelize_module`` (Colwise / Rowwise / SequenceParallel) on the GPT's
     blocks; options as ``tp``: ``tp`` and ``sequence_parallel``. TP x DP through a mesh, the
     DP side all-reducing gradients or, with ``fsdp``, FSDP2 over the mesh's "dp" dimension."""
@@ -111,8 +112,8 @@ class TorchTensorParallel(Strategy):
 
     @classmethod
     def problems(cls, config):
-        p = super().problems(config) + tensor_parallel_problems(config)
-        tp, _ = tp_options(config)
+        p = super().problems(config)
+        tp = cls.layout(config).tp
         if config.options.get("fsdp", False) and config.world_size == tp:
             p.append(f"fsdp needs dp > 1: world_size={config.world_size} with tp={tp} leaves one "
                      f"data-parallel rank, nothing for FSDP2 to shard over; use a world_size "
@@ -120,10 +121,10 @@ class TorchTensorParallel(Strategy):
         return p
 
     def setup(self) -> None:
-        self.tp, self.sp = tp_options(self.ctx.config)
+        lay = self.layout(self.ctx.config)
+        self.tp, self.sp, self.dp = lay.tp, lay.sequence_parallel, lay.dp
         self.fsdp = bool(self.ctx.config.options.get("fsdp", False))
-        self.dp = self.ctx.world_size // self.tp
-        self.mesh = Mesh({"dp": self.dp, "tp": self.tp}, device_type=self.ctx.device.type)
+        self.mesh = Mesh.of(lay, device_type=self.ctx.device.type)
         tp_mesh = self.mesh.device_mesh["tp"]
         self.model = self.build_model()
         for block in self.model.blocks:
@@ -168,7 +169,7 @@ class TorchTensorParallel(Strategy):
         if self.dp > 1 and not self.fsdp:  # FSDP2 reduce-scatters the gradients in backward
             with tl.span("all_reduce"):
                 locals_ = [_LocalGrad(p) for p in self.params]
-                all_reduce_grads(locals_, self.mesh.comm("dp"), average=True)
+                reduce_gradients(locals_, self.mesh.comm("dp"))
         with tl.span("optimizer"):
             self.optimizer.step()
         return self.mean_loss(loss, self.mesh.group("dp"))
@@ -191,7 +192,7 @@ class TorchTensorParallel(Strategy):
 
 
 class _LocalGrad:
-    """A parameter seen through its local shard, for ``all_reduce_grads``."""
+    """A parameter seen through its local shard, for ``reduce_gradients``."""
 
     def __init__(self, p: torch.Tensor):
         self.grad = _local(p.grad)

@@ -11,7 +11,6 @@
   and backward and freed right after, with prefetch.
 - ``torch-fsdp2`` (``torch_fsdp.py``): ``torch.distributed.fsdp.fully_shard``, the peer.
 
-``dlab.estimate.memory`` has the formulas (bytes per rank by category, bytes moved per step)
+``dlab.theory.memory`` has the formulas (bytes per rank by category, bytes moved per step)
 the tests hold these to; ``python -m dlab bench zero`` sets them side by side.
 """
-from dlab.parallel.zero import stage1, stage2, stage3, torch_fsdp  # noqa: F401 - registers

@@ -42,13 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlab import checkpoint
+from dlab.comm.host import host_copies_done, pinned, to_host
 from dlab.comm.instrumented import reduce_scatter_option
-from dlab.data import shard
-from dlab.host_copies import host_copies_done, pinned, to_host
-from dlab.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.models.data import shard
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import FlatUnit, build_units
+from dlab.runtime import checkpoint
+from dlab.theory import memory
 
 BOOL_OPTIONS = {
     "mixed_precision": Option("bool", "compute in bf16 with fp32 master weights", default=False),
@@ -148,6 +149,16 @@ class ZeroStrategy(Strategy):
     def problems(cls, config):
         return super().problems(config) + data_parallel_problems(config, config.world_size)
 
+    @classmethod
+    def predicted_state(cls, config, rank):
+        """dlab's exact ZeRO accounting (``dlab.theory.memory.zero_memory``: padding and Adam's
+        step counters included) of the units this rank owns."""
+        state = memory.zero_memory(memory.model_units(config.model, config.model_options),
+                                   config.world_size, cls.stage,
+                                   config.options.get("mixed_precision", False), config.optimizer,
+                                   rank)
+        return {k: state[k] for k in ("parameters", "gradients", "optimizer")}
+
     # --- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
         ctx, opts = self.ctx, self.ctx.config.options
@@ -215,7 +226,7 @@ class ZeroStrategy(Strategy):
         where dtypes and devices agree (fp32, no offload); otherwise an fp32 copy on the
         optimizer's device that lives for the step (counted as a transient buffer). Offloaded
         from a GPU, every unit's copy is enqueued into pinned memory first and waited for once
-        (``dlab.host_copies``), and the updated chunks go back without a wait: the next forward
+        (``dlab.comm.host``), and the updated chunks go back without a wait: the next forward
         runs on the same stream, after them."""
         for u in self.units:
             if not self.separate_master:

@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from dlab.data import shard
-from dlab.metrics import ActivationMeter, storage_bytes
+from dlab.core.metrics import ActivationMeter, storage_bytes
+from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import unit_modules

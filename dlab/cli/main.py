@@ -1,0 +1,167 @@
+"""Command line: ``python -m dlab run|bench|check|env|lab|plan|strategies|corpus``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from dlab import parallel
+from dlab.analysis.diagnose import RunFailed
+from dlab.bench import run_bench
+from dlab.cli import plan as plan_cli
+from dlab.cli.env import format_report, report
+from dlab.core.config import ConfigError, add_arguments, from_args
+from dlab.models.corpus import make_corpus
+from dlab.models.data import CORPUS
+from dlab.procs.launch import launch
+from dlab.tools.check import main as check
+from dlab.tools.jupyter import main as lab
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP reached the CLI; ``Run.wait`` stops the run on its way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, _frame) -> None:
+    raise Interrupted(signum)
+
+
+def _check_json_path(path: str | None) -> None:
+    """Refuse an unwritable --json path before the run, not after it."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"--json {path} is a directory; give a file name, e.g. {target / 'summary.json'}")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"--json {path}: the directory {parent} does not exist; create it or "
+                          f"choose another path")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"--json {path} cannot be written (no permission); choose another path")
+
+
+def _run(args) -> int:
+    cfg = from_args(args)
+    _check_json_path(args.json)
+    # A terminal's Ctrl-C, coreutils' timeout (SIGTERM), Slurm's cancel (SIGTERM) and a closed
+    # terminal (SIGHUP) all stop the run the same way: no process is left behind.
+    previous = {sig: signal.signal(sig, _raise_interrupted)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        run = launch(**cfg.to_dict(), runs_dir=args.runs_dir, wait=True, progress=True,
+                     timeout=args.deadline)
+    except RunFailed as e:
+        print(f"\nFAILED: {e}", file=sys.stderr)
+        return 1
+    except TimeoutError as e:
+        print(f"\nFAILED: {e}; raise --deadline if the run needs longer", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(run.summary())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(run.summary().to_dict(), f, indent=1)
+    return 0
+
+
+def _bench(args) -> int:
+    return run_bench(args.name, args.json, args.quick)
+
+
+def _check(args) -> int:
+    return check([*(["--quick"] if args.quick else []), *(["--json", args.json] if args.json else []),
+                  *(["--strategies", args.strategies] if args.strategies else []),
+                  "--runs-dir", args.runs_dir])
+
+
+def _env(args) -> int:
+    info = report(measure=not args.no_measure, ranks=tuple(args.ranks))
+    print(json.dumps(info, indent=1) if args.json else format_report(info))
+    return 0
+
+
+def _lab(args) -> int:
+    return lab(args.port, args.ip, args.jupyter_args)
+
+
+def _strategies(args) -> int:
+    for name in parallel.names():
+        strategy = parallel.get(name)
+        doc = " ".join((strategy.__doc__ or "").split("\n\n")[0].split())
+        print(f"{name:21s} {doc}")
+        for key, option in strategy.OPTIONS.items():
+            print(f"{'':21s}   option {key}: {option.describe()}; {option.help}")
+    return 0
+
+
+def _corpus(args) -> int:
+    CORPUS.parent.mkdir(exist_ok=True)
+    CORPUS.write_text(make_corpus())
+    print(f"wrote {CORPUS}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dlab", description="dlab: distributed training lab")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="launch a training run and print its summary")
+    add_arguments(r)
+    r.add_argument("--runs-dir", default="runs")
+    r.add_argument("--json", help="also write the summary to this file")
+    r.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock limit for the whole run (launch(timeout=)); the run is "
+                        "stopped and the command fails when it passes")
+    r.set_defaults(func=_run)
+    b = sub.add_parser("bench", help="run a benchmark against PyTorch's own implementation")
+    b.add_argument("name", help="benchmark name (launch, ...)")
+    b.add_argument("--json", help="write the rows to this file")
+    b.add_argument("--quick", action="store_true", help="fewer repeats (for a smoke test)")
+    b.set_defaults(func=_bench)
+    c = sub.add_parser("check", help="every strategy against single on this machine's devices (GPU or CPU)")
+    c.add_argument("--quick", action="store_true", help="one strategy per family, 2 ranks")
+    c.add_argument("--json", help="write the rows to this file")
+    c.add_argument("--runs-dir", default="runs/check")
+    c.add_argument("--strategies", help="comma-separated strategies to check instead (e.g. ddp,zero3)")
+    c.set_defaults(func=_check)
+    e = sub.add_parser("env", help="backends, devices, versions and the CPU's matmul peak")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--no-measure", action="store_true", help="skip the matmul peak measurement")
+    e.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8],
+                   help="say what these numbers of ranks do to timings here (default 2 4 8)")
+    e.set_defaults(func=_env)
+    lab = sub.add_parser("lab", help="JupyterLab on notebooks/ (as root and headless too); "
+                                     "prints the URL with its token")
+    lab.add_argument("--port", type=int, default=8888)
+    lab.add_argument("--ip", default="127.0.0.1",
+                     help="address to serve on (0.0.0.0 to reach it from outside a container)")
+    lab.add_argument("jupyter_args", nargs=argparse.REMAINDER,
+                     help="further JupyterLab arguments, after --")
+    lab.set_defaults(func=_lab)
+    pl = sub.add_parser("plan", help="predict memory, step time and MFU of layouts at any scale; "
+                                     "rank them")
+    plan_cli.add_arguments(pl)
+    pl.set_defaults(func=plan_cli.run)
+    sub.add_parser("strategies", help="list the registered strategies").set_defaults(func=_strategies)
+    sub.add_parser("corpus", help="write data/corpus.txt again").set_defaults(func=_corpus)
+    args = p.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"\ninterrupted by {signal.Signals(signum).name}: the run was stopped and no "
+              f"process is left", file=sys.stderr)
+        return 128 + signum
+

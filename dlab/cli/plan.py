@@ -1,0 +1,143 @@
+"""``python -m dlab plan``: one layout's breakdown, or every layout ranked.
+
+    python -m dlab plan --model llama3-70b --cluster h100-sxm --gpus 1024 --seq 8192 --batch 1024
+    python -m dlab plan --model llama3-70b --gpus 1024 \
+        --layout tp=8,pp=8,zero=1,virtual_stages=5,schedule=interleaved
+    python -m dlab plan --published     # the published configurations beside their predictions
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from dlab.core.config import ConfigError
+from dlab.theory.plan import clusters, models, published
+from dlab.theory.plan.layout import PlanLayout
+from dlab.theory.plan.predict import PlanError, plan
+from dlab.theory.plan.search import pareto, search
+
+GB = 1e9
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="llama3-70b", help=f"a preset: {', '.join(models.PRESETS)}")
+    p.add_argument("--cluster", default="h100-sxm",
+                   help=f"a preset: {', '.join([*clusters.PRESETS, 'this-machine'])}")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to lay out (default: the layout's product)")
+    p.add_argument("--seq", type=int, default=8192, help="sequence length")
+    p.add_argument("--batch", type=int, default=1024, help="global batch in sequences")
+    p.add_argument("--layout", help="one layout, e.g. tp=8,pp=4,zero=1,sequence_parallel=1,"
+                                    "recompute=selective (nd's option names); "
+                                    "its breakdown instead of the ranked table")
+    p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
+    p.add_argument("--pareto", action="store_true", help="print the memory/time Pareto front too")
+    p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--published", action="store_true",
+                   help="instead: every published configuration (dlab.plan.published) beside its "
+                        "prediction, and the mean absolute error")
+
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_layout(text: str) -> PlanLayout:
+    # microbatches follows from --batch (PlanLayout.for_batch)
+    fields = {f.name: f.type for f in dataclasses.fields(PlanLayout) if f.name != "microbatches"}
+    values = {}
+    for item in filter(None, text.split(",")):
+        key, sep, val = item.partition("=")
+        key = key.strip()
+        if not sep or key not in fields:
+            raise ConfigError(f"--layout item {item!r}: use key=value with key one of {', '.join(fields)}")
+        kind, val = fields[key], val.strip()
+        if kind in ("bool", bool):
+            if val.lower() not in TRUE + FALSE:
+                raise ConfigError(f"--layout {key}={val!r}: {key} is on or off; write {key}=1 or {key}=0")
+            values[key] = val.lower() in TRUE
+            continue
+        try:
+            values[key] = int(val) if kind in ("int", int) else val
+        except ValueError:
+            raise ConfigError(f"--layout {key}={val!r}: {key} takes a whole number") from None
+    return PlanLayout(**values)
+
+
+def _presets(args):
+    try:
+        return models.preset(args.model), clusters.preset(args.cluster)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _line(p) -> str:
+    t = p.time
+    comm = sum(v for k, v in t.items() if k.endswith("_comm"))
+    return (f"{p.layout.describe():<52} {t['total']:8.2f} {p.mfu:6.1%} {p.memory['total'] / GB:7.1f} "
+            f"{'yes' if p.fits else 'no':>4} {t['compute'] + t['recompute']:8.2f} {comm:7.2f} "
+            f"{t['bubble'] + t.get('idle_cores', 0.0):7.2f}")
+
+
+HEADER = (f"{'layout':<52} {'step s':>8} {'MFU':>6} {'mem GB':>7} {'fits':>4} "
+          f"{'compute':>8} {'comm':>7} {'idle':>7}")
+
+
+def run(args) -> int:
+    if args.published:
+        results = published.check()
+        print(published.table(results))
+        rows = results
+    else:
+        rows = _plan(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _plan(args) -> list[dict]:
+    spec, cluster = _presets(args)
+    if args.layout:
+        lay = parse_layout(args.layout)
+        if args.gpus and "dp=" not in args.layout:  # dp takes what the others leave
+            rest = lay.tp * lay.pp * lay.cp
+            if args.gpus % rest:
+                raise ConfigError(f"tp x pp x cp = {rest} does not divide --gpus {args.gpus}")
+            lay = dataclasses.replace(lay, dp=args.gpus // rest)
+        if args.gpus and lay.world != args.gpus:
+            raise ConfigError(f"the layout takes {lay.world} GPUs, not --gpus {args.gpus}; leave dp "
+                              f"out to let it take the rest")
+        try:
+            p = plan(spec, cluster, lay, args.batch, args.seq)
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
+        print(f"{spec.name} on {lay.world} x {cluster.name}, batch {args.batch} x {args.seq} tokens")
+        print(f"layout {lay.describe()}: {p.step_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, "
+              f"MFU {p.mfu:.1%}, HFU {p.hfu:.1%}")
+        print("memory per GPU: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in p.memory.items()
+                                             if k != "pp_rank")
+              + f" ({'fits' if p.fits else 'does not fit'} in {p.capacity / GB:.0f} GB)")
+        print("time per step:  " + ", ".join(f"{k} {v:.3f} s" for k, v in p.time.items()))
+        print("assumed: " + "; ".join(p.assumptions))
+        rows = [p.row()]
+    else:
+        if not args.gpus or args.gpus < 1:
+            raise ConfigError("--gpus N is needed to search (or give one --layout)")
+        start = time.perf_counter()
+        preds = search(spec, cluster, args.gpus, args.batch, args.seq)
+        took = time.perf_counter() - start
+        if not preds:
+            raise ConfigError(f"no layout of {spec.name} takes {args.gpus} GPUs at batch {args.batch}; "
+                              f"try a batch that is a multiple of the GPU count")
+        fit = [p for p in preds if p.fits]
+        print(f"{spec.name} on {args.gpus} x {cluster.name}, batch {args.batch} x {args.seq} tokens: "
+              f"{len(preds)} layouts in {took:.2f} s, {len(fit)} fit")
+        print(HEADER)
+        for p in preds[:args.top]:
+            print(_line(p))
+        if args.pareto:
+            print("\nPareto front (memory against time, among those that fit):")
+            for p in pareto(fit):
+                print(_line(p))
+        rows = [p.row() for p in preds]
+    return rows

@@ -1,0 +1,103 @@
+"""Per-rank timeline events, on a clock shared by all ranks.
+
+Each rank starts its clock right after a barrier (``align``), so event times on different
+ranks are comparable to within the barrier's release skew (well under a millisecond on one
+host). Events are plain dicts - ``kind``, ``step``, ``start``, ``end`` in seconds, plus ``mb``
+(micro-batch) and ``stage`` where they apply - so a schedule simulator can produce the same
+shape and the dashboard draws both the same way. Bubble fraction = idle / makespan.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.step = 0
+        self.events: list[dict] = []
+
+    def align(self) -> float:
+        """Call right after a barrier: restarts the clock, returns the wall time it reads as 0."""
+        self.t0 = time.perf_counter()
+        return time.time()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def add(self, kind: str, start: float, end: float, **fields) -> None:
+        self.events.append({"kind": kind, "step": self.step, "start": start, "end": end, **fields})
+
+    @contextmanager
+    def span(self, kind: str, **fields):
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(kind, start, self.now(), **fields)
+
+    def drain(self) -> list[dict]:
+        out, self.events = self.events, []
+        return out
+
+
+#: the spans in which a rank does its own work; the rest of a step it waits (for a peer, for
+#: bytes). An injected straggler's delay counts as its own work: it is the slow rank's time.
+BUSY_KINDS = ("forward", "backward", "weight_grad", "optimizer", "straggle")
+#: the computations of a pipeline's schedule (its bubble is the time a rank does none of them)
+COMPUTE = ("forward", "backward", "weight_grad")
+
+
+def union(spans) -> list[tuple[float, float]]:
+    """The ``(start, end)`` spans merged where they overlap or touch, in time order: the one
+    span union every measure of busy, hidden or exposed time is built on."""
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def covered(spans) -> float:
+    """Seconds covered by at least one of ``spans`` (overlapping spans counted once)."""
+    return sum(e - s for s, e in union(spans))
+
+
+def overlap(a, b) -> float:
+    """Seconds covered by both the spans ``a`` and the spans ``b``."""
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in union(a) for s2, e2 in union(b))
+
+
+def spans(events: list[dict], kinds) -> list[tuple[float, float]]:
+    return [(e["start"], e["end"]) for e in events if e["kind"] in kinds]
+
+
+def busy_seconds(events: list[dict], kinds=BUSY_KINDS) -> float:
+    """Seconds of one rank's own work (``kinds``, nested spans once)."""
+    return covered(spans(events, kinds))
+
+
+def bubble_fractions(events: list[dict]) -> dict[int, float]:
+    """Mean bubble fraction per rank over the steps after the first (all steps if only one):
+    for one step the window runs from the first computation on any rank to the last one, and a
+    rank's bubble is the part of that window in which it computes nothing (GPipe, Huang et al.
+    2019; 1F1B, Narayanan et al. 2019). ``events`` are timeline events of all ranks, each with
+    ``rank``."""
+    by_step: dict[int, dict[int, list[dict]]] = {}
+    for e in events:
+        if e["kind"] in COMPUTE:
+            by_step.setdefault(e["step"], {}).setdefault(e["rank"], []).append(e)
+    steps = sorted(by_step)[1:] or sorted(by_step)
+    out: dict[int, list[float]] = {}
+    for s in steps:
+        ranks = by_step[s]
+        start = min(e["start"] for evs in ranks.values() for e in evs)
+        end = max(e["end"] for evs in ranks.values() for e in evs)
+        if end <= start:
+            continue
+        for r, evs in ranks.items():
+            out.setdefault(r, []).append(1 - busy_seconds(evs, COMPUTE) / (end - start))
+    return {r: sum(v) / len(v) for r, v in sorted(out.items())}

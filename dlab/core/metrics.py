@@ -1,0 +1,155 @@
+"""Measurements every strategy reports, with the definitions all notebooks share.
+
+Memory is counted from the tensors actually held, so it works on the CPU where there is no
+allocator to ask: a category's bytes are the sum of ``nbytes`` over the distinct storages its
+tensors live in (a view or a tied weight is counted once). On CUDA the allocator's peak is
+reported beside it.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "comm_buffers")
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each storage once)."""
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            seen.setdefault(_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def model_state_memory(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None
+                       ) -> dict[str, int]:
+    params = list(params)
+    return {
+        "parameters": storage_bytes(params),
+        "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": storage_bytes(optimizer_tensors(optimizer)) if optimizer else 0,
+    }
+
+
+class _Saved:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class ActivationMeter:
+    """Peak bytes of tensors autograd saves for backward ("activations").
+
+    A ``saved_tensors_hooks`` pair wraps each saved tensor; when autograd frees the saved
+    value (after its backward ran, or when the graph is dropped) the wrapper dies and its
+    storage is released from the count. Parameters that autograd saves (a weight kept for the
+    input-gradient matmul) are excluded: they are counted under "parameters". ``current`` is
+    what is held now, ``peak`` the most held at once since ``reset_peak``.
+
+    With activation recomputation (``dlab.models.recompute``) the meter counts what is kept:
+    a recomputed block's input, or the attention core's q, k, v, saved by the checkpoint under
+    these same hooks. The strategies track the forward only, so their peak is the end of the
+    forward, what recomputation keeps. The recomputed activations exist again, transiently,
+    during their region's backward (one region at a time); they are counted only when the
+    backward also runs inside ``track()``, and then the peak can be reached in backward, above
+    the forward's (``dlab.theory.activations``: ``backward_peak``).
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self.exclude = {_key(t) for t in exclude}
+        self.refs: dict[tuple, int] = {}
+        self.current = self.peak = 0
+
+    def skip(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is not an activation; strategies that gather parameters on the fly
+        extend this so a gathered weight counts under "parameters"."""
+        return _key(t) in self.exclude or not t.numel()
+
+    def hold(self, t: torch.Tensor):
+        """Count ``t`` as held until the returned handle is dropped (the pack hook; pipeline
+        stages also call it for the activations they keep between forward and backward)."""
+        if self.skip(t):
+            return t
+        key = _key(t)
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.current += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.current)
+        self.refs[key] += 1
+        saved = _Saved(t)
+        weakref.finalize(saved, self._release, key, t.untyped_storage().nbytes())
+        return saved
+
+    def _release(self, key: tuple, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.current -= nbytes
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    @contextmanager
+    def track(self):
+        with torch.autograd.graph.saved_tensors_hooks(self.hold, self._unpack):
+            yield self
+
+
+class Stopwatch:
+    """Wall time of a block; on CUDA it synchronises first so queued kernels are counted."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+class StoragePeak:
+    """The most bytes ``tensors()`` held at once while the block ran, read from their storages
+    (each once) after every operator, forward and backward: a figure counted, not booked, for
+    buffers that are allocated and freed inside a step (ZeRO-3's gathered units)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self.peak = 0
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, storage_bytes(self.tensors()))
+
+    @contextmanager
+    def track(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+
+        class _EveryOp(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                meter.sample()
+                return out
+
+        self.sample()
+        with _EveryOp():
+            yield self

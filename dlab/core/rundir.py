@@ -1,0 +1,263 @@
+"""The run directory: the one contract between ranks and whoever watches them.
+
+::
+
+    runs/20261122-101500-ddp-w4/
+      config.json              the RunConfig
+      launch.json              how it was started (command, port, pid) - only when dlab launched it
+      torchrun.log             torchrun's own output (agent messages, failure summary)
+      logs/rank{r}.log         each rank's stdout and stderr
+      metrics/rank{r}.jsonl    one JSON object per step: loss, step_time, tokens/s, memory, comm
+      timeline/rank{r}.jsonl   one JSON object per event: kind, step, start, end (seconds after
+                               the clock-aligning barrier), plus mb / stage where they apply
+      ranks/rank{r}.pid        written by the rank when it starts: its pid and host
+      ranks/rank{r}.json       written by the rank when it ends: ok, or its exception + traceback
+      status.json              written by the launcher when the run ends: state, exit code per rank
+      final_state.pt           full final parameters, from rank 0 (only with save_final=True);
+      final_state_rank{r}.pt   the same from every rank (replicas must agree bit for bit)
+
+Everything is append-only JSON lines or whole files written by rename, so a reader can follow a
+live run (``follow``) or open a finished one, from this kernel, a later one, or a cluster's
+shared file system. Ranks never talk to the notebook in any other way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import warnings
+from datetime import datetime
+from pathlib import Path
+
+import psutil
+
+
+class CorruptRunFile(ValueError):
+    """A file of a run directory that cannot be read as what it should hold."""
+
+
+def write_json(path: Path, obj) -> None:
+    """Whole-file write by rename: a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, default=None):
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return default
+
+
+class JsonlTail:
+    """Reads the complete lines appended to a JSON-lines file since the last call. A line that
+    is still being written (no newline yet) is left for next time. A complete line that is not
+    JSON (a torn write: a rank killed mid-line, then a restart appending after it) is skipped
+    with a warning naming the file and the line number; the lines around it are kept."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.lines = Path(path), 0, 0
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        out = []
+        for line in chunk[:end].split(b"\n"):
+            self.lines += 1
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                kept = _record_after_torn_start(line)
+                out += kept
+                warnings.warn(f"{self.path}, line {self.lines}: not a JSON record (a torn write, "
+                              f"e.g. a rank killed mid-line); skipped the torn part"
+                              + (", kept the whole record appended after it" if kept else ""),
+                              stacklevel=2)
+        return out
+
+
+def _record_after_torn_start(line: bytes) -> list[dict]:
+    """A restart appends its first record right after the torn bytes, on the same line: the
+    last ``{`` from which the rest of the line parses as one JSON object is that record."""
+    at = line.rfind(b"{", 1)
+    while at > 0:
+        try:
+            obj = json.loads(line[at:])
+            return [obj] if isinstance(obj, dict) else []
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            at = line.rfind(b"{", 1, at)
+    return []
+
+
+def preempted_or_ok(reports: dict) -> str:
+    """The state of a run every rank of which ended well: "preempted" when they stopped on a
+    scheduler's notice (``dlab.runtime.preemption``), else "ok"."""
+    return "preempted" if any(rep and rep.get("preempted") for rep in reports.values()) else "ok"
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, root: str | Path, label: str) -> RunDir:
+        """A new, unique directory ``root/<time>-<label>``; two runs started in the same second,
+        from one process or two, get different directories (mkdir is atomic)."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        for n in range(1000):
+            path = root / (f"{stamp}-{label}" + (f"-{n}" if n else ""))
+            try:
+                path.mkdir()
+                return cls(path)
+            except FileExistsError:
+                continue
+        raise RuntimeError(f"could not create a fresh run directory under {root}")
+
+    # paths ------------------------------------------------------------------------------
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def metrics_file(self, rank: int) -> Path:
+        return self.path / "metrics" / f"rank{rank}.jsonl"
+
+    def timeline_file(self, rank: int) -> Path:
+        return self.path / "timeline" / f"rank{rank}.jsonl"
+
+    def log_file(self, rank: int) -> Path:
+        return self.path / "logs" / f"rank{rank}.log"
+
+    def report_file(self, rank: int) -> Path:
+        return self.path / "ranks" / f"rank{rank}.json"
+
+    def pid_file(self, rank: int) -> Path:
+        return self.path / "ranks" / f"rank{rank}.pid"
+
+    # reading ----------------------------------------------------------------------------
+    def config(self) -> dict:
+        """The run's config; ``{}`` while it is not written yet. A config.json that is there
+        but is not a JSON object raises ``CorruptRunFile`` naming it (a run without a readable
+        config cannot be read as anything, least of all as an empty successful run)."""
+        path = self.path / "config.json"
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return {}
+        try:
+            cfg = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptRunFile(f"{path} is not valid JSON ({e}); the run cannot be read. "
+                                 f"Restore it from the launch (RunConfig.save) or remove the "
+                                 f"run directory") from None
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("world_size"), int):
+            raise CorruptRunFile(f"{path} is not a dlab run config (a JSON object with an integer "
+                                 f"world_size); restore it or remove the run directory")
+        return cfg
+
+    def world_size(self) -> int:
+        return int(self.config().get("world_size", 0))
+
+    def ranks(self) -> list[int]:
+        return list(range(self.world_size()))
+
+    def metrics(self, rank: int) -> list[dict]:
+        """One record per step. After a restart a step may have run twice; the later attempt,
+        the one the run went on from, is kept."""
+        records = JsonlTail(self.metrics_file(rank)).read()
+        by_step = {m["step"]: m for m in records if isinstance(m, dict) and "step" in m}
+        return [by_step[s] for s in sorted(by_step)]
+
+    def timeline(self, rank: int) -> list[dict]:
+        return JsonlTail(self.timeline_file(rank)).read()
+
+    def report(self, rank: int) -> dict | None:
+        return read_json(self.report_file(rank))
+
+    def log(self, rank: int) -> str:
+        try:
+            return self.log_file(rank).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def status(self) -> dict:
+        """The launcher's final status when there is one; otherwise what the ranks' own reports
+        say (a run started by torchrun or Slurm has no launcher to write status.json).
+
+        A run with neither a final status nor every report is "running" while any of its
+        processes may be alive, and "lost" once they are known gone: the launcher was killed
+        (kill -9, a killed kernel) before it could write status.json. Known gone means: the
+        torchrun of ``launch.json`` and every rank that wrote ``ranks/rank{r}.pid`` ran on this
+        host and no such process is alive now (a live pid counts only if its command line names
+        this run directory, so a reused pid does not). Processes on another host cannot be
+        checked from here: such a run stays "running"."""
+        final = read_json(self.path / "status.json")
+        if final:
+            return final
+        reports = {r: self.report(r) for r in self.ranks()}
+        failed = {r: rep for r, rep in reports.items() if rep and not rep.get("ok")}
+        if failed:
+            return {"state": "failed", "ranks": reports}
+        if reports and all(rep and rep.get("ok") for rep in reports.values()):
+            return {"state": preempted_or_ok(reports), "ranks": reports}
+        return {"state": "lost" if self._processes_gone() else "running", "ranks": reports}
+
+    def _processes_gone(self) -> bool:
+        here = socket.gethostname()
+        known = [read_json(self.path / "launch.json")]
+        known += [read_json(self.pid_file(r)) for r in self.ranks() if not self.report(r)]
+        known = [k for k in known if k]
+        if not known or any(k.get("host") != here for k in known):
+            return False
+        return not any(self._alive(k.get("pid")) for k in known)
+
+    def _alive(self, pid) -> bool:
+        try:
+            p = psutil.Process(int(pid))
+            return (p.status() != psutil.STATUS_ZOMBIE
+                    and self.path.resolve().name in " ".join(p.cmdline()))
+        except (psutil.Error, TypeError, ValueError):
+            return False
+
+
+class RankWriter:
+    """What one rank writes: metrics and timeline lines (flushed per step), and its final
+    report. Opened lazily so a rank that fails early leaves only what it got to."""
+
+    def __init__(self, run: RunDir, rank: int):
+        self.run, self.rank = run, rank
+        for sub in ("metrics", "timeline", "ranks", "logs"):
+            (run.path / sub).mkdir(exist_ok=True)
+        self._metrics = open(run.metrics_file(rank), "a")
+        self._timeline = open(run.timeline_file(rank), "a")
+        write_json(run.pid_file(rank), {"pid": os.getpid(), "host": socket.gethostname()})
+
+    def metric(self, record: dict) -> None:
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+
+    def events(self, records: list[dict]) -> None:
+        if records:
+            self._timeline.write("".join(json.dumps(r) + "\n" for r in records))
+            self._timeline.flush()
+
+    def report(self, **fields) -> None:
+        write_json(self.run.report_file(self.rank),
+                   {"rank": self.rank, "pid": os.getpid(), "time": time.time(), **fields})
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._timeline.close()

@@ -1,2 +1,0 @@
-"""Every checked exercise, registered on import (``check`` imports this)."""
-from dlab.exercises import distributed, local  # noqa: F401

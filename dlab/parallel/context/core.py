@@ -1,0 +1,26 @@
+"""The attention core a context-parallel strategy installs in every block: by name
+(``ATTENTION``), built over a mesh's cp dimension (``attention_core``). ``cp`` and ``nd`` both
+take it from here."""
+from __future__ import annotations
+
+import functools
+
+from dlab.core.options import Option
+from dlab.parallel.context import attention as cores
+
+ATTENTION = {"ring": cores.ring_attention, "allgather": cores.allgather_attention,
+             "ulysses": cores.ulysses_attention, "usp": cores.usp_attention}
+
+#: the options of context parallelism, in ``cp`` and ``nd`` alike
+ULYSSES = Option("int", "Ulysses ranks per group under attention='usp' (the ring runs across "
+                 "the groups)", default=2, minimum=1)
+
+
+def attention_core(attention: str, mesh, positions: list, timeline=None, ulysses: int = 2):
+    """The attention core over ``mesh``'s cp dimension, and the Comms it talks over."""
+    if attention == "usp":
+        heads, across = mesh.folded(("cp",), ulysses)
+        ring = cores.Hybrid(heads, across, positions, timeline)
+        return functools.partial(cores.usp_attention, ring=ring), [heads, across]
+    ring = cores.Ring(mesh.comm("cp"), positions, timeline)
+    return functools.partial(ATTENTION[attention], ring=ring), [mesh.comm("cp")]

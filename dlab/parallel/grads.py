@@ -1,0 +1,34 @@
+"""The gradient reduction over the data ranks: one function every strategy calls.
+
+Each data rank's loss is the mean over its own tokens, and the data ranks hold equally many,
+so the gradient of the global mean loss is the *mean* of their gradients: summed by one
+all-reduce over the group, divided by the ranks whose losses it covers. The gradients go as
+one flat message (one call's latency, not one per tensor; the bucketing of ``ddp`` is the same
+idea overlapped with backward).
+
+``divide_by`` is usually the group's size; it differs where a gradient arrives already summed
+over part of the data ranks (an expert's, summed over its expert-parallel group by the
+all-to-all's backward: reduced over dp x cp / ep ranks, divided by dp x cp) or where partial
+gradients of one replica are summed, not averaged (sequence parallelism's layer norms over the
+tensor-parallel group: ``divide_by=1``).
+"""
+from __future__ import annotations
+
+import torch
+
+from dlab.comm.instrumented import Comm
+
+
+def reduce_gradients(params: list[torch.Tensor], comm: Comm, divide_by: int | None = None) -> None:
+    """Sum the ``.grad`` of ``params`` over ``comm``'s ranks in one flat all-reduce, divided by
+    ``divide_by`` (default: the group's size, the mean), written back into each ``.grad``."""
+    grads = [p.grad for p in params]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    n = comm.size if divide_by is None else divide_by
+    if n != 1:
+        flat.div_(n)
+    comm.all_reduce(flat)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))

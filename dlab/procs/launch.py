@@ -1,0 +1,113 @@
+"""``dlab.launch``: one call, a real multi-process run under torchrun, and a handle on it.
+
+What dlab adds to torchrun for a notebook: the config is checked before any process starts; a
+free port (retried when a stranger takes it first) and a fresh run directory per run (so runs
+started together never collide); torchrun runs in its own process session and every rank dies
+with it, and torchrun dies with the process that launched it however that process dies (a
+parent-death signal), so an interrupted cell, a killed kernel or a cancelled job leaves nothing
+behind; a run-wide deadline; and the failing rank's traceback brought back into the cell.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from dlab.core.config import ConfigError, RunConfig
+from dlab.core.rundir import RunDir, write_json
+from dlab.procs.process import binds_its_port, free_port, kill_tree, spawn_tied_to_this_process, worker_env
+from dlab.procs.run import Run, track
+from dlab.worker.validate import validate
+
+
+def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: bool = False,
+           dashboard: bool = False, runs_dir: str | Path = "runs", timeout: float | None = None,
+           **config) -> Run:
+    """Start ``strategy`` on ``world_size`` ranks; return a ``Run``.
+
+    ``config`` takes any ``RunConfig`` field (steps, model, model_options, batch_size, lr,
+    options, fault, ...). A config that cannot work raises ``ConfigError`` here, before any
+    process starts. ``wait=True`` blocks until the run ends (``progress`` prints a bar);
+    ``dashboard=True`` blocks with live charts. ``timeout`` bounds the whole run's wall time
+    (seconds, a positive finite number, or None for no bound beyond ``timeout_s`` per step).
+    """
+    _check_wall_timeout(timeout)
+    cfg = validate(RunConfig.from_dict({"strategy": strategy, "world_size": world_size, **config}))
+    check_runs_dir(runs_dir)
+    run_dir = RunDir.create(runs_dir, cfg.name or f"{strategy}-w{world_size}")
+    cfg.save(run_dir / "config.json")
+    run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
+                         threads=cfg.threads_per_rank, max_restarts=cfg.max_restarts)
+    if dashboard:
+        from dlab.ui.dashboard import watch  # ipywidgets, a lab extra: loaded for a dashboard only
+
+        watch(run, timeout=timeout)
+    elif wait:
+        run.wait(timeout=timeout, progress=progress)
+    return run
+
+
+def check_runs_dir(runs_dir: str | Path) -> None:
+    """Refuse a runs directory that cannot hold run directories, before anything starts."""
+    path = Path(runs_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"runs_dir {path} is a file, not a directory; choose another runs_dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"runs_dir {path} cannot be created ({e.strerror}); choose a "
+                          f"writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"runs_dir {path} is not writable; choose a writable directory")
+
+
+def _check_wall_timeout(timeout) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"timeout (the run's wall deadline, --deadline on the command line) must "
+                          f"be a positive number of seconds or None (got {timeout!r})")
+
+
+RDZV_TRIES = 3
+
+
+def start_torchrun(run_dir: RunDir, nproc: int, args: list[str], threads: int = 1,
+                   max_restarts: int = 0, program: str = "dlab.worker") -> Run:
+    """Start torchrun on a free port, its ranks running ``python -m program --run-dir run_dir
+    *args``, and return once it holds that port (the rendezvous store).
+
+    ``free_port`` only says the port was free a moment ago: a stranger may bind it before
+    torchrun does, and torchrun then waits on the stranger in silence for its 10-minute
+    rendezvous timeout. So this waits (typically 1-3 s: torchrun importing torch) until
+    torchrun's own process listens on the port; if another process listens there instead, it
+    stops this torchrun and starts again on another port (``RDZV_TRIES`` times in all)."""
+    env = worker_env(threads, max_restarts > 0)
+    for attempt in range(1, RDZV_TRIES + 1):
+        port = free_port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_dir.path.name}",
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+               "-m", program, "--run-dir", str(run_dir.path.resolve()), *args]
+        with open(run_dir / "torchrun.log", "ab") as log:
+            proc = spawn_tied_to_this_process(cmd, log, env)
+        write_json(run_dir / "launch.json", {"command": cmd, "port": port, "pid": proc.pid,
+                                             "host": socket.gethostname(), "started": time.time(),
+                                             "attempt": attempt})
+        if binds_its_port(proc, port):
+            break
+        kill_tree(proc, grace=1.0)
+        with open(run_dir / "torchrun.log", "a") as log:
+            print(f"[dlab] another process took rendezvous port {port} before torchrun bound "
+                  f"it; stopped this torchrun and started again on a new port", file=log)
+    else:
+        raise RuntimeError(f"torchrun could not bind a rendezvous port in {RDZV_TRIES} tries: "
+                           f"other processes took each free port first; see {run_dir / 'torchrun.log'}")
+    return track(Run(run_dir.path, proc))
+
+

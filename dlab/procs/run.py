@@ -1,0 +1,186 @@
+"""A run, live or finished: the handle ``launch`` returns and ``attach`` opens.
+
+Everything it knows it reads from the run directory (``dlab.core.rundir``), except whether its
+own torchrun process is still alive; it can wait for the run (a progress bar, the failing rank's
+error raised in the cell), stop it whole, preempt it as a scheduler would, summarise it and draw
+it. An interpreter that exits stops the runs it started.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+from dlab.analysis.reader import RunView, open_run
+from dlab.core.rundir import preempted_or_ok, write_json
+from dlab.procs.process import kill_tree
+from dlab.ui.plots import plot
+
+_LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+
+
+def track(run: Run) -> Run:
+    """Stop ``run`` if this interpreter exits while it goes on."""
+    _LIVE.add(run)
+    return run
+
+
+def attach(path: str | Path) -> Run:
+    """Open a run something else started (torchrun on a cluster, an earlier kernel)."""
+    return Run(open_run(path).path)
+
+
+class Run(RunView):
+    """A run, live or finished. Everything it knows it reads from the run directory
+    (``RunView``), except whether its own torchrun process is still alive."""
+
+    def __init__(self, path: str | Path, proc: subprocess.Popen | None = None):
+        super().__init__(path)
+        self.proc = proc
+        self._ended_as: str | None = None
+
+    @property
+    def state(self) -> str:
+        """running, ok, preempted, failed, stopped, interrupted, timeout, or lost (see
+        ``RunDir.status``)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return "running"
+        if self.proc is not None and self._ended_as is None:
+            self._finish()
+        return self.dir.status().get("state", "unknown")
+
+    def plot(self):
+        """The dashboard's final figure of this run: loss, throughput, memory, bytes moved and,
+        for a pipeline, the per-rank timeline."""
+        return plot(self)
+
+    # --- waiting and stopping --------------------------------------------------------------
+    def stream(self, poll: float = 0.2, timeout: float | None = None):
+        """Yield metric records as the ranks write them, until the run ends."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            running = self.state == "running"
+            yield from self.new_metrics()
+            if not running:
+                return
+            if deadline and time.monotonic() > deadline:
+                self.stop(reason="timeout")
+                raise TimeoutError(f"run {self.path} did not finish within {timeout} s; stopped it")
+            time.sleep(poll)
+
+    def wait(self, timeout: float | None = None, progress: bool = False) -> Run:
+        """Block until the run ends; raise ``RunFailed`` naming the failing rank. An interrupt
+        (KeyboardInterrupt, a notebook's stop button) stops the whole run before it returns."""
+        bar = _Progress(self) if progress else None
+        try:
+            for record in self.stream(timeout=timeout):
+                if bar:
+                    bar.update(record)
+                if self._a_rank_failed() and not self.config.get("max_restarts"):
+                    self._give_torchrun(2.0)
+        except BaseException:
+            self.stop(reason="interrupted")
+            raise
+        finally:
+            if bar:
+                bar.close()
+        failure = self.failure()
+        if failure:
+            raise failure
+        if self.state == "lost":
+            raise RuntimeError(f"run {self.path} is lost: its launcher and processes are gone "
+                               f"without a final status (killed with kill -9, or its kernel "
+                               f"died); what it wrote so far is still readable")
+        return self
+
+    def _a_rank_failed(self) -> bool:
+        return any((rep := self.dir.report(r)) and not rep.get("ok") for r in self.dir.ranks())
+
+    def _give_torchrun(self, seconds: float) -> None:
+        """torchrun tears the others down when it sees a rank fail; if that has not happened
+        within ``seconds`` (a rank stuck in C++ that ignores SIGTERM), do it ourselves."""
+        end = time.monotonic() + seconds
+        while self.proc is not None and self.proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop(reason="failed")
+
+    def preempt(self, timeout: float | None = None) -> Run:
+        """Do what a scheduler does to a job it takes back: SIGTERM to the launcher (torchrun's
+        agent passes it to every rank and waits up to 30 s for them), then wait. The ranks stop
+        after a step they agree on, checkpoint it and exit as preempted (``dlab.runtime.preemption``);
+        ``launch(..., resume=str(run.path))`` goes on from there. The run must checkpoint
+        (``checkpoint_every`` > 0), or a SIGTERM just ends it."""
+        if self.proc is None:
+            raise RuntimeError(f"run {self.path} was not started by this process; send SIGTERM "
+                               f"to its torchrun (or scancel --signal=TERM its Slurm job)")
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        return self.wait(timeout=timeout)
+
+    def stop(self, grace: float = 2.0, reason: str = "stopped") -> None:
+        """End every process of the run: SIGTERM (torchrun forwards it to its ranks), then
+        SIGKILL whatever is left after ``grace`` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None:
+                self._finish()
+            return
+        kill_tree(self.proc, grace)
+        self._finish(reason)
+
+    def _finish(self, reason: str | None = None) -> None:
+        if self._ended_as is not None or self.proc is None:
+            return
+        failure = self.failure()
+        reports = {r: self.dir.report(r) for r in self.dir.ranks()}
+        ended_well = bool(reports) and all(rep and rep.get("ok") for rep in reports.values())
+        state = reason if reason and reason != "failed" else ("failed" if failure else (
+            preempted_or_ok(reports) if ended_well else "failed"))
+        if state == "interrupted" and failure is None:
+            state = "stopped"
+        exit_codes = failure.exit_codes if failure else {r: 0 for r in self.dir.ranks()}
+        self._ended_as = state
+        write_json(self.dir / "status.json", {
+            "state": state, "torchrun_exit": self.proc.returncode, "exit_codes": exit_codes,
+            "failed_rank": failure.rank if failure else None, "ended": time.time(),
+            "ranks": reports})
+        _LIVE.discard(self)
+
+
+class _Progress:
+    """One line per run: a bar when the output is a terminal, a line every tenth otherwise."""
+
+    def __init__(self, run: Run):
+        self.run, self.steps = run, run.config.get("steps", 1)
+        self.tty = sys.stdout.isatty()
+        self.shown = -1
+
+    def update(self, record: dict) -> None:
+        if record.get("rank") != 0:
+            return
+        step = record["step"] + 1
+        frac = step / self.steps
+        line = (f"{self.run.path.name}  [{'#' * int(30 * frac):<30}] step {step}/{self.steps}  "
+                f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s")
+        if self.tty:
+            print("\r" + line, end="", flush=True)
+        elif int(10 * frac) > self.shown:
+            self.shown = int(10 * frac)
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for run in list(_LIVE):
+        run.stop(grace=1.0, reason="stopped")
+
+

@@ -1,0 +1,84 @@
+"""One rank of a warm pool (``dlab.procs.pool``): ``python -m dlab.runtime.pool_rank``, started by the pool.
+
+The rank talks to the pool over an inherited socket, joins the process group (Gloo over loopback, or NCCL with
+``DLAB_POOL_BACKEND``), then serves cells: it runs each one in a namespace it keeps between
+cells (``rank``, ``world_size``, ``dist`` and ``torch`` to start with), captures what the cell
+prints, and answers with that output, its ``result`` variable and, if the cell raised, the
+exception and traceback. A cell that raises does not end the rank.
+
+It never outlives its pool: a thread watches the parent process (the notebook's kernel) and
+ends the rank the moment the parent is gone, even while the main thread is stuck in a
+collective, and closing the pool's connection ends it too.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+
+def watch_parent(parent: int, every_s: float = 0.2) -> None:
+    """End this process when ``parent`` is no longer its parent (the kernel died: the rank was
+    re-parented to init), checked every ``every_s``."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(3)
+    threading.Thread(target=watch, daemon=True, name="dlab-parent-watch").start()
+
+
+def picklable(value):
+    """``value`` if it pickles, else its repr (a tensor pickles; a module does not)."""
+    try:
+        pickle.dumps(value)
+        return value
+    except Exception:  # noqa: BLE001 - anything unpicklable is shown, not sent
+        return repr(value)
+
+
+def run_one(code: str, scope: dict) -> dict:
+    out = io.StringIO()
+    reply = {"ok": True, "output": "", "result": None}
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            scope.pop("result", None)
+            exec(compile(code, "<cell>", "exec"), scope)  # noqa: S102 - the user's own cell
+            reply["result"] = picklable(scope.get("result"))
+        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: the rank lives on
+            reply.update(ok=False, exception=type(e).__name__, message=str(e),
+                         traceback=traceback.format_exc())
+    reply["output"] = out.getvalue()
+    return reply
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    env = os.environ
+    watch_parent(int(env["DLAB_POOL_PARENT"]))
+    conn = Connection(int(env["DLAB_POOL_FD"]))  # a socket pair's end, from the pool
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    dist.init_process_group(env.get("DLAB_POOL_BACKEND", "gloo"), rank=rank, world_size=world)
+    scope = {"rank": rank, "world_size": world, "dist": dist, "torch": torch,
+             "__name__": "__dlab_cell__"}
+    conn.send({"ready": True})
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break  # the pool is gone
+        if message is None:
+            break
+        conn.send(run_one(message, scope))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

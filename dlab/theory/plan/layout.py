@@ -1,0 +1,115 @@
+"""A layout to plan: the degrees of every dimension and the choices that go with them.
+
+The mesh is ``nd``'s (``dlab.layout``, whose rules the layouts here are held to): pp x dp x cp
+x tp, tp fastest. Ranks fill
+nodes in order, so a dimension's group spans ``stride x degree`` consecutive ranks, its stride
+the product of the degrees inside it: tp spans tp ranks, cp tp x cp, the data ranks (dp x cp,
+over which gradients are reduced and ZeRO shards) tp x cp x dp, and a pipeline neighbour is
+tp x cp x dp ranks away (inside a node only if the whole pipeline is). ``Cluster.link`` turns
+a span into the link it runs on. Expert parallelism folds onto the data ranks (ep of them next
+to each other, stride tp).
+
+A ``PlanLayout`` is the ``Layout`` of ``nd`` (the same degrees, names and rules) plus how a step
+runs at scale: ``micro_batch`` is the sequences one micro-batch carries on a rank, so a global
+batch B makes m = B / (dp x micro_batch) micro-batches per step (``for_batch``); recomputation,
+precision, the attention kernel and the overlaps a stack does.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from dlab.layout import Layout, shape
+
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "bf16-fp32-grads", "fp32")
+ATTENTION = ("flash", "math")
+
+
+@dataclass(frozen=True)
+class PlanLayout(Layout):
+    """``dlab.layout.Layout`` (its degrees, schedule, names and rules: ``nd``'s) and how a step
+    runs at scale. ``microbatches`` follows from the global batch (``for_batch``)."""
+
+    #: sequences one micro-batch carries on a rank: m = B / (dp x micro_batch)
+    micro_batch: int = 1
+    recompute: str = "none"
+    #: "bf16": the ZeRO paper's mixed precision (2 + 2 + 12 bytes per parameter);
+    #: "bf16-fp32-grads": Megatron's (fp32 gradient buffer: 2 + 4 + 12); "fp32": 4 + 4 + 8
+    precision: str = "bf16"
+    #: "flash" (FlashAttention: no s x s matrix kept) or "math" (the softmax kept, as in 2022)
+    attention: str = "flash"
+    #: tensor-parallel communication overlapped with the matmuls (Transformer Engine's
+    #: userbuffers, MegaScale); off by default, as in Megatron-LM's papers
+    tp_overlap: bool = False
+    #: the data ranks' gradient reduction overlapped with backward (PyTorch DDP's buckets,
+    #: Megatron-LM's --overlap-grad-reduce since 2023); False for Megatron-LM 2021-22's "local"
+    #: DDP, its default, which all-reduced the gradients after the whole pipeline's backward
+    grad_overlap: bool = True
+
+    def for_batch(self, global_batch: int) -> PlanLayout:
+        """This layout with the micro-batches a global batch of ``global_batch`` sequences makes."""
+        return replace(self, microbatches=max(global_batch // (self.dp * self.micro_batch), 1))
+
+    def span(self, dim: str) -> int:
+        """Consecutive ranks one group of ``dim`` covers (module docstring)."""
+        t, c, d = self.tp, self.cp, self.dp
+        return {"tp": t, "cp": t * c, "data": t * c * d, "ep": t * self.ep,
+                "pp": t * c * d * self.pp}[dim]
+
+    def describe(self) -> str:
+        parts = [f"{k}{getattr(self, k)}" for k in ("pp", "dp", "cp", "tp") if getattr(self, k) > 1]
+        extra = [f"ep{self.ep}"] if self.ep > 1 else []
+        extra += [f"zero{self.zero}"] if self.zero else []
+        extra += ["sp"] if self.sequence_parallel and self.tp > 1 else []
+        if self.pp > 1:
+            v = self.virtual_stages
+            extra.append(self.schedule + (f" v{v}" if v > 1 else ""))
+        extra += [f"mb{self.micro_batch}"] + ([self.recompute] if self.recompute != "none" else [])
+        return " ".join([" x ".join(parts) or "single", *extra])
+
+    def asdict(self) -> dict:
+        return asdict(self)
+
+    def nd_options(self, global_batch: int) -> dict:
+        """The ``nd`` strategy's options that run this layout (recomputation is a model option)."""
+        out = {k: getattr(self, k) for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1}
+        if self.zero:
+            out["zero"] = self.zero
+        if self.sequence_parallel and self.tp > 1:
+            out["sequence_parallel"] = True
+        if self.pp > 1:
+            out.update(schedule=self.schedule,
+                       microbatches=self.for_batch(global_batch).microbatches)
+            if self.virtual_stages > 1:
+                out["virtual_stages"] = self.virtual_stages
+        return out
+
+    def problems(self, spec, global_batch: int, seq_len: int) -> list[str]:
+        """What stops this layout for this model and batch, each saying what to change: the
+        planner's own fields here, every rule of the degrees in ``Layout.problems`` (the ones
+        ``nd`` and ``pipeline-*`` are held to; the lab's own code's rules apply to the lab's GPT
+        only: real models pad their vocabulary and split any MLP)."""
+        bad = [f"{k}={getattr(self, k)!r} must be a whole number >= 1"
+               for k in ("dp", "micro_batch") if not _whole(getattr(self, k)) or getattr(self, k) < 1]
+        if bad:
+            return bad
+        out = []
+        for field, value, choices in (("recompute", self.recompute, RECOMPUTE),
+                                      ("precision", self.precision, PRECISIONS),
+                                      ("attention", self.attention, ATTENTION)):
+            if value not in choices:
+                out.append(f"{field}={value!r}; choose one of {', '.join(choices)}")
+        if global_batch % (self.dp * self.micro_batch):
+            return out + [f"global batch {global_batch} does not split into dp={self.dp} x "
+                          f"micro_batch={self.micro_batch}; pick a multiple of "
+                          f"{self.dp * self.micro_batch}"]
+        lay = self.for_batch(global_batch)
+        if spec.gpt is not None and self.pp == 1 and lay.microbatches > 1:
+            out.append(f"dlab's nd accumulates micro-batches only under a pipeline; with pp=1 use "
+                       f"micro_batch = batch / dp = {global_batch // self.dp}")
+        return out + Layout.problems(lay, shape(spec, seq_len), lay.dp * lay.microbatches,
+                                     lab=spec.gpt is not None)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

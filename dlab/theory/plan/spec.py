@@ -1,0 +1,140 @@
+"""A transformer at any scale, as the planner sees it: its shapes, parameters and FLOPs.
+
+``Transformer`` is the shape of a decoder-only model: L layers of width h with a heads (g of
+them for keys and values: grouped-query attention, Ainslie et al. 2023), an MLP of width f
+(GeLU: two matrices, as GPT-2/3; SwiGLU: three, as Llama, Shazeer 2020), a vocabulary V, and
+optionally E experts per MLP of which k serve each token (a Mixtral-like MoE). The lab's own
+GPT (``dlab.models.gpt.GPTConfig``) converts with ``from_gpt``; the planner then uses
+``dlab.theory``'s exact per-family formulas for it (``gpt`` keeps the config).
+
+Parameters (Psi), counting the matrices and the embedding (norms, biases and positions are a
+few h per layer, kept for the lab's model through its exact count):
+
+    attention   2 h^2 + 2 h^2 g / a         (Q and the output projection; K and V are g/a wide)
+    MLP         2 h f (GeLU) or 3 h f (SwiGLU), times E for a MoE (plus an h x E router)
+    embedding   V h, and the head V h again unless tied
+
+Model FLOPs per token (``flops_per_token``): 6 per parameter a token multiplies by (forward 2,
+backward 4) plus attention's 12 L h s (QK^T and AV over all s keys, PaLM's convention, Chowdhery
+et al. 2022 app. B: the causal mask is not discounted). A MoE counts k experts, not E.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Transformer:
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    d_ff: int
+    vocab: int
+    n_kv_head: int = 0  # 0: as many as n_head (multi-head attention)
+    mlp: str = "gelu"  # "gelu" (2 matrices) or "swiglu" (3)
+    tied: bool = False
+    n_expert: int = 1
+    top_k: int = 1
+    #: GPT-3-era models keep 1-byte dropout masks for backward (Korthikanti et al. count them)
+    dropout: bool = False
+    #: the lab's GPTConfig when this is dlab's own model (exact formulas apply), else None
+    gpt: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head == 0:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+
+    @property
+    def kv_width(self) -> int:
+        """Width of K (and of V): h g / a."""
+        return self.d_model * self.n_kv_head // self.n_head
+
+    def attention_params(self) -> int:
+        h = self.d_model
+        return 2 * h * h + 2 * h * self.kv_width
+
+    def expert_params(self) -> int:
+        """One MLP (one expert of a MoE)."""
+        return (3 if self.mlp == "swiglu" else 2) * self.d_model * self.d_ff
+
+    def layer_params(self) -> int:
+        router = self.d_model * self.n_expert if self.n_expert > 1 else 0
+        return self.attention_params() + self.n_expert * self.expert_params() + router
+
+    def active_layer_params(self) -> int:
+        """Parameters one token multiplies by in a layer (k experts of E)."""
+        return self.attention_params() + self.top_k * self.expert_params()
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.d_model
+
+    def n_params(self) -> int:
+        if self.gpt is not None:
+            return self.gpt.n_params()
+        return self.n_layer * self.layer_params() + self.embedding_params() * (1 if self.tied else 2)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token (above): what MFU counts."""
+        matmul = self.n_layer * self.active_layer_params() + self.embedding_params()  # the head
+        return 6 * matmul + 12 * self.n_layer * self.d_model * seq_len
+
+    def recompute_flops_per_token(self, seq_len: int, recompute: str) -> float:
+        """FLOPs a token's forward repeats in backward: the whole layer's forward under full
+        recomputation (a third of its training FLOPs), only attention's score and value
+        products (4 h s per layer) under selective. HFU counts them; MFU does not."""
+        if recompute == "full":
+            return self.n_layer * (2 * self.active_layer_params() + 4 * self.d_model * seq_len)
+        if recompute == "selective":
+            return self.n_layer * 4 * self.d_model * seq_len
+        return 0.0
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.d_model % self.n_head:
+            out.append(f"{self.name}: d_model={self.d_model} is not a multiple of n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            out.append(f"{self.name}: n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
+        if self.mlp not in ("gelu", "swiglu"):
+            out.append(f"{self.name}: mlp={self.mlp!r}; use 'gelu' or 'swiglu'")
+        if not 1 <= self.top_k <= self.n_expert:
+            out.append(f"{self.name}: top_k={self.top_k} must be between 1 and n_expert={self.n_expert}")
+        return out
+
+
+def from_gpt(cfg, name: str = "lab GPT") -> Transformer:
+    """The lab's GPT (or MoE) config as a ``Transformer``; ``gpt`` keeps it for the exact
+    formulas of ``dlab.theory``."""
+    return Transformer(name=name, n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=cfg.n_head,
+                       d_ff=cfg.d_ff, vocab=cfg.vocab_size, tied=cfg.tied,
+                       n_expert=getattr(cfg, "n_expert", 1), top_k=getattr(cfg, "top_k", 1), gpt=cfg)
+
+
+#: Well-known shapes. GPT-3: Brown et al. 2020, table 2.1 (learned positions, GeLU, dropout).
+#: Llama 3: Dubey et al. 2024, table 3 (GQA with 8 KV heads, SwiGLU, RoPE, no dropout).
+#: Mixtral 8x7B: Jiang et al. 2024 (8 experts, top-2, Mistral 7B's attention).
+#: The Megatron models are those of Narayanan et al. 2021 (table 1) and Korthikanti et al. 2022
+#: (table 3): GPT shapes, vocabulary 51200, dropout.
+PRESETS = {
+    "gpt3-175b": Transformer("GPT-3 175B", 96, 12288, 96, 4 * 12288, 50257, dropout=True),
+    "llama3-8b": Transformer("Llama 3 8B", 32, 4096, 32, 14336, 128256, n_kv_head=8, mlp="swiglu"),
+    "llama3-70b": Transformer("Llama 3 70B", 80, 8192, 64, 28672, 128256, n_kv_head=8, mlp="swiglu"),
+    "llama3-405b": Transformer("Llama 3 405B", 126, 16384, 128, 53248, 128256, n_kv_head=8,
+                               mlp="swiglu"),
+    "mixtral-8x7b": Transformer("Mixtral 8x7B", 32, 4096, 32, 14336, 32000, n_kv_head=8,
+                                mlp="swiglu", n_expert=8, top_k=2),
+}
+
+
+def megatron_gpt(name: str, n_layer: int, d_model: int, n_head: int, vocab: int = 51200) -> Transformer:
+    """A GPT shape as Megatron-LM's papers train it (f = 4h, untied head counted by their
+    FLOPs formula's V term, dropout on)."""
+    return Transformer(name, n_layer, d_model, n_head, 4 * d_model, vocab, dropout=True)
+
+
+def preset(name: str) -> Transformer:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}") from None
