@@ -9,7 +9,7 @@ the 2-core CI machine, for a learner to compare with their own; they are also ta
 and the widgets' saved state is dropped, which keeps diffs readable. Run this after editing a
 notebook:
 
-    .venv/bin/python tests/store_notebook_outputs.py notebooks/04_zero_fsdp.ipynb   # or no args: all
+    .venv/bin/python tests/store_notebook_outputs.py notebooks/05_zero_fsdp.ipynb   # or no args: all
 """
 
 from __future__ import annotations

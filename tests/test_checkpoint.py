@@ -18,7 +18,7 @@ from dlab.runtime import checkpoint
 RUN = {**TINY_GPT, "steps": 8, "save_final": True}
 
 
-# slow: notebook 07 kills a torch-ddp rank and resumes it bit for bit under make test, and the
+# slow: notebook 12 kills a torch-ddp rank and resumes it bit for bit under make test, and the
 # preemption test (test_stragglers_preemption.py) resumes from a checkpoint bit for bit
 @pytest.mark.parametrize("strategy", [pytest.param("torch-ddp", marks=pytest.mark.slow),
                                       pytest.param("zero3", marks=pytest.mark.slow)])
@@ -99,7 +99,7 @@ def test_an_async_save_holds_the_values_of_the_step_it_was_called_at(tmp_path, m
     assert torch.equal(saved, torch.arange(1000, dtype=torch.float32))
 
 
-# slow: notebook 07's checked cells reshard the harder case, zero3's flat shards, 4 -> 2 -> 1 in
+# slow: notebook 12's checked cells reshard the harder case, zero3's flat shards, 4 -> 2 -> 1 in
 # the default run (make test), with losses held to the reference's to 1e-5
 @pytest.mark.slow
 def test_reshard_four_ranks_to_two_and_to_single(runs_dir, reference):
@@ -116,7 +116,7 @@ def test_reshard_four_ranks_to_two_and_to_single(runs_dir, reference):
         assert_ranks_agree(run)
 
 
-@pytest.mark.slow  # notebook 07 reshards zero3 4 -> 2 -> 1 in the default run
+@pytest.mark.slow  # notebook 12 reshards zero3 4 -> 2 -> 1 in the default run
 def test_zero3_shards_reshard_four_to_two_and_to_single(runs_dir, reference):
     """ZeRO-3 cuts parameters at arbitrary flat offsets; its pieces load into 2 ranks of zero3
     (other cuts), into single (whole tensors) and, back the other way, into zero2 shards."""

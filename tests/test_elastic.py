@@ -19,7 +19,7 @@ PACE = {"kind": "slow", "rank": 0, "step": 0, "steps": 1000, "delay_s": 0.2}
 CONFIG = {**TINY_GPT, "steps": 40, "checkpoint_every": 2, "save_final": True}
 
 
-@pytest.mark.slow  # 45 s; notebook 12 runs the same rehearsal under make test
+@pytest.mark.slow  # 45 s; notebook 13 runs the same rehearsal under make test
 def test_an_agent_lost_and_back_shrinks_grows_and_trains_the_same(runs_dir, reference):
     e = rehearse("ddp", lose_at=4, back_after=3, runs_dir=runs_dir, fault=PACE, **CONFIG)
     sizes = [w for w, _ in e.phases]

@@ -17,7 +17,7 @@ GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
 
 # gpipe and interleaved share 1f1b's executor and stage modules (their own schedules are checked
 # in 2D by test_pipeline_parity.py): slow here, where 1f1b stands for them
-# pp 2 x tp 2 with 1f1b is slow too: notebook 06 trains this very layout against single (and
+# pp 2 x tp 2 with 1f1b is slow too: notebook 07 trains this very layout against single (and
 # checks each rank's bytes against dlab.theory.hybrid) under make test
 CASES = [pytest.param("1f1b", 4, {"tp": 2}, marks=pytest.mark.slow),  # pp 2 x tp 2
          pytest.param("gpipe", 4, {"tp": 2}, marks=pytest.mark.slow),

@@ -41,7 +41,7 @@ def pipeline_runs(tmp_path_factory):
 # backward, V placement) stand for it at 2 ranks in the default run; naive (gpipe with m = 1)
 # and zb-h1 (zbv's split backward, one stage per rank) are slow at 2 ranks too. Every
 # schedule's action lists are checked without processes in test_pipeline_schedules.py, and
-# notebook 05 runs naive and zb-h1 under nbval.
+# notebook 06 runs naive and zb-h1 under nbval.
 SLOW_AT_2 = ("naive", "zb-h1")
 
 
@@ -118,7 +118,7 @@ def test_stages_balanced_by_measured_time_train_like_single(world, runs_dir, ref
     assert stages == [{r} for r in range(world)]
 
 
-# slow: its two 4-rank runs serve no other default test; notebook 05's checked cell compares the
+# slow: its two 4-rank runs serve no other default test; notebook 06's checked cell compares the
 # same ratio at p = 2 in the default run (to 0.5 %: stage 0 also keeps its embedding's inputs)
 @pytest.mark.slow
 def test_activation_peaks_follow_in_flight_counts(pipeline_runs):

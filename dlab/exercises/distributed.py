@@ -33,7 +33,7 @@ def run_reduce_scatter(fn, rank, world):
     return fn(_chunks(rank, world), rank, world)
 
 
-@exercise(name="reduce_scatter", notebook="01_collectives", ranks=WORLD, p2p_only=True,
+@exercise(name="reduce_scatter", notebook="02_collectives", ranks=WORLD, p2p_only=True,
           task="reduce_scatter(chunks, rank, world_size): chunks[c] is this rank's contribution to "
                "rank c; return the sum over all ranks of their chunk for this rank, with send/recv",
           run=run_reduce_scatter)
@@ -49,7 +49,7 @@ def run_ring_all_reduce(fn, rank, world):
     return x if out is None else out
 
 
-@exercise(name="ring_all_reduce", notebook="02_allreduce_algorithms", ranks=WORLD, p2p_only=True,
+@exercise(name="ring_all_reduce", notebook="03_allreduce_algorithms", ranks=WORLD, p2p_only=True,
           task="ring_all_reduce(x, rank, world_size): every rank ends with the sum of all ranks' x "
                "(a reduce-scatter then an all-gather around the ring), with send/recv",
           run=run_ring_all_reduce)
@@ -73,7 +73,7 @@ def run_average_gradients(fn, rank, world):
     return [p.grad.clone() for p in model.parameters()]
 
 
-@exercise(name="average_gradients", notebook="03_data_parallel", ranks=2,
+@exercise(name="average_gradients", notebook="04_data_parallel", ranks=2,
           task="average_gradients(model, world_size): after backward, make every replica's "
                "gradients the mean over the ranks (what DDP does)",
           run=run_average_gradients)
@@ -100,7 +100,7 @@ def run_zero1_step(fn, rank, world):
     return fn(params.clone(), _values(rank, 8, seed=5), LR, rank, world)
 
 
-@exercise(name="zero1_step", notebook="04_zero_fsdp", ranks=2,
+@exercise(name="zero1_step", notebook="05_zero_fsdp", ranks=2,
           task="zero1_step(params, grads, lr, rank, world_size): reduce-scatter the gradients "
                "(mean over ranks), SGD-update only this rank's 1/N shard, all-gather the "
                "parameters; return the full updated parameters",
@@ -128,7 +128,7 @@ def run_column_parallel(fn, rank, world):
     return y.detach(), x.grad
 
 
-@exercise(name="column_parallel_linear", notebook="06_tensor_sequence", ranks=2,
+@exercise(name="column_parallel_linear", notebook="07_tensor_sequence", ranks=2,
           task="column_parallel_linear(x, w_shard, b_shard): this rank's output features "
                "x @ w_shard.T + b_shard, with x passed through f (identity forward, all-reduce of "
                "the input's gradient backward)",

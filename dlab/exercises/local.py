@@ -38,7 +38,7 @@ def run_one_f_one_b(fn):
             for s in range(p)}
 
 
-@exercise(name="one_f_one_b", notebook="05_pipeline",
+@exercise(name="one_f_one_b", notebook="06_pipeline",
           task="one_f_one_b(stage, n_stages, microbatches): this stage's compute order as "
                "('F', i) / ('B', i) pairs: warm-up forwards, one forward one backward, drain",
           run=run_one_f_one_b)
@@ -66,7 +66,7 @@ def run_reshard(fn):
     return {(numel, len(shards), m): fn(shards, numel, m) for numel, m, shards in _flat_cases()}
 
 
-@exercise(name="reshard", notebook="07_checkpointing_faults",
+@exercise(name="reshard", notebook="12_checkpointing_faults",
           task="reshard(shards, numel, m): the n equal shards of a zero-padded flat tensor of "
                "numel elements, cut again into m equal shards (zero-padded to a multiple of m)",
           run=run_reshard)
@@ -164,7 +164,7 @@ def run_topk(fn):
     return grads, steps
 
 
-@exercise(name="topk_feedback", notebook="12_what_breaks_at_scale",
+@exercise(name="topk_feedback", notebook="13_what_breaks_at_scale",
           task="topk_feedback(grad, error, k): add the memory to the gradient, send the k entries "
                "of largest magnitude as (values, indices), and return them with the new memory "
                "(the sum with those entries zeroed)",

@@ -1,4 +1,4 @@
-"""Pictures of what each collective moves where (notebook 01): every rank's chunks before and
+"""Pictures of what each collective moves where (notebook 02): every rank's chunks before and
 after the operation, coloured by the rank they came from."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Timing the all-reduces on ranks: what ``python -m dlab bench allreduce`` and notebook 02 run
+"""Timing the all-reduces on ranks: what ``python -m dlab bench allreduce`` and notebook 03 run
 on every rank (under ``dlab.spawn``). A repeat's time is the slowest rank's, from a barrier to
 its return; each figure is the median of the repeats after a warm-up. Beside the times: a
 ping-pong between ranks 0 and 1 (one-way seconds per message size, to fit the alpha-beta
