@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from dlab.core.precision import PRECISIONS
 from dlab.layout import Layout, shape
 
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("bf16", "bf16-fp32-grads", "fp32")
 ATTENTION = ("flash", "math")
 
 

@@ -55,10 +55,12 @@ import dataclasses
 import math
 
 from dlab.theory import nd as nd_estimate
+from dlab.core.precision import PRECISIONS
 from dlab.theory.memory import paper_memory
 from dlab.theory.pipeline import in_flight
 
-BYTES = {"bf16": (2, 2, 12), "bf16-fp32-grads": (2, 4, 12), "fp32": (4, 4, 8)}
+#: (weights, gradients, Adam state) bytes per parameter, by precision (``dlab.core.precision``)
+BYTES = {name: p.bytes for name, p in PRECISIONS.items()}
 
 
 def state_bytes(psi: float, n: int, zero: int, precision: str = "bf16") -> dict[str, float]:
