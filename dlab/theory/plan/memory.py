@@ -54,8 +54,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dlab.theory import nd as nd_estimate
 from dlab.core.precision import PRECISIONS
+from dlab.theory import nd as nd_estimate
 from dlab.theory.memory import paper_memory
 from dlab.theory.pipeline import in_flight
 
