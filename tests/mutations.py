@@ -120,7 +120,17 @@ MUTATIONS = [
           "                    while len(posted) < min(done + 1, len(self.recvs)):\n")),
         ("tests/test_pipeline_parity.py::test_receives_posted_at_the_action_or_ahead_train_like_single[1f1b-2-2]",),
     ),
+    Mutation(
+        "zero-resume-cut-state",
+        "zero: a resume restores the optimizer state only of parameters wholly inside a rank's "
+        "chunk; those a shard boundary cuts restart from zero momentum",
+        "dlab/parallel/zero/sharded.py",
+        (("                    for k in state:\n",
+          "                    for k in state if n == s.numel else ():\n"),),
+        ("tests/test_checkpoint.py::test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts",),
+    ),
 ]
+
 
 def copy_checkout(dest: Path) -> None:
     for name in COPIED:
