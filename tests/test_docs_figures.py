@@ -38,7 +38,7 @@ def _value(text: str):
 def parse(spec: str) -> tuple[str, dict, str, float]:
     """(file, row selector, key, scale) of one comment's text."""
     row_part, _, key_part = spec.partition(":")
-    words = shlex.split(row_part, posix=False)
+    words = shlex.split(row_part)
     assert words and key_part.strip(), f"figure comment {spec!r}: FILE ROW : KEY [* SCALE]"
     selector = {}
     for w in words[1:]:
