@@ -146,6 +146,13 @@ MUTATIONS = [
           "        return self.flops_per_token() + 3 * self.recompute_flops_per_token(recompute, every)\n"),),
         ("tests/test_recompute.py::test_strategy_with_recompute_trains_like_single[pipeline-1f1b-gpt-full]",),
     ),
+    Mutation(
+        "lab-unchecked",
+        "python -m dlab lab starts (URL and token printed) without checking that JupyterLab is there",
+        "dlab/tools/jupyter.py",
+        (("    if missing:\n", "    if False:\n"),),
+        ("tests/test_lab.py::test_without_jupyterlab_the_lab_says_what_to_install_before_any_url",),
+    ),
 ]
 
 
