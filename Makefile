@@ -6,21 +6,35 @@
 #               code a faster default case runs) are left out: make test-slow runs them,
 #               make test-all runs both; --durations=15 lists the slowest tests in the log
 #   make browser-test  JupyterLab in headless Chromium: notebook 00's dashboard rendered, live,
-#               and stopped (needs apt-get install chromium chromium-driver; refreshes
-#               docs/screenshots/)
+#               and stopped (needs apt-get install chromium chromium-driver); its screenshots
+#               go to a temporary directory: make screenshots runs it to refresh the README's
+#               images in docs/screenshots/
+#   make test-compat  the oldest torch dlab declares (TORCH_FLOOR, pyproject.toml's floor) in
+#               its own venv ($(VENV)/compat), and a subset of the tests that touches every
+#               family of strategies, checkpoints, the wire meter and the CLI
 # TORCH picks the torch requirement installed first. The CI machine's pip serves the CPU build of
 # torch==2.13.0; where plain PyPI would pull the multi-GB CUDA build instead, name PyTorch's CPU
 # index: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# On a GPU machine: make lab TORCH=torch
+# On a GPU machine: make lab TORCH=torch (pyproject.toml sets torch's floor, no cap, so the
+# newest release stays as it is installed)
 PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+TORCH_FLOOR ?= torch==2.6.0
+COMPAT_VENV ?= $(VENV)/compat
+# one default case per family of strategies (data, ZeRO, pipeline, tensor, context, expert,
+# nd), a ZeRO checkpoint resumed and resharded, the measured wire bytes, the launcher's failures
+COMPAT_TESTS ?= "tests/test_data_parallel.py::test_matches_single_and_moves_the_formula_bytes[ddp-2]" \
+	"tests/test_zero.py::test_stage_matches_single_and_its_formulas" \
+	"tests/test_checkpoint.py::test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts" \
+	tests/test_pipeline_parity.py tests/test_tensor_parity.py tests/test_context_parity.py \
+	tests/test_expert_parity.py tests/test_wire_bytes.py tests/test_faults.py tests/test_install.py
 LAB_PORT ?= 8888
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lab test test-slow test-all browser-test bench clean
+.PHONY: install lab test test-slow test-all browser-test screenshots test-compat bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,6 +64,16 @@ browser-test: install
 		exit 2; }
 	$(BIN)/python -m pip install -q -e ".[browser]"
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/browser -q -s -m browser
+
+screenshots:
+	DLAB_SCREENSHOTS=$(CURDIR)/docs/screenshots $(MAKE) browser-test
+
+test-compat:
+	test -x $(COMPAT_VENV)/bin/python || $(PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH_FLOOR)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(COMPAT_VENV)/bin/python -m pip install -q -e . "pytest>=8"
+	$(COMPAT_VENV)/bin/python -c "import torch; print('test-compat on torch', torch.__version__)"
+	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(COMPAT_TESTS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -120,7 +120,41 @@ MUTATIONS = [
           "                    while len(posted) < min(done + 1, len(self.recvs)):\n")),
         ("tests/test_pipeline_parity.py::test_receives_posted_at_the_action_or_ahead_train_like_single[1f1b-2-2]",),
     ),
+    Mutation(
+        "zero-resume-cut-state",
+        "zero: a resume restores the optimizer state only of parameters wholly inside a rank's "
+        "chunk; those a shard boundary cuts restart from zero momentum",
+        "dlab/parallel/zero/sharded.py",
+        (("                    for k in state:\n",
+          "                    for k in state if n == s.numel else ():\n"),),
+        ("tests/test_checkpoint.py::test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts",),
+    ),
+    Mutation(
+        "zero-ring-skips-div",
+        "zero: with reduce_scatter=\"ring\" the gradient is summed, not averaged (no /N)",
+        "dlab/parallel/zero/sharded.py",
+        (("        flat_grad.div_(self.n)\n",
+          "        if self.ctx.comm.reduce_scatter_algorithm != \"ring\":\n"
+          "            flat_grad.div_(self.n)\n"),),
+        ("tests/test_reduce_scatter_option.py::test_zero_reduce_scatter_option[zero3-2-ring]",),
+    ),
+    Mutation(
+        "hfu-recompute-tripled",
+        "HFU counts a recomputed forward three times (as if it were a whole forward and backward)",
+        "dlab/models/gpt.py",
+        (("        return self.flops_per_token() + self.recompute_flops_per_token(recompute, every)\n",
+          "        return self.flops_per_token() + 3 * self.recompute_flops_per_token(recompute, every)\n"),),
+        ("tests/test_recompute.py::test_strategy_with_recompute_trains_like_single[pipeline-1f1b-gpt-full]",),
+    ),
+    Mutation(
+        "lab-unchecked",
+        "python -m dlab lab starts (URL and token printed) without checking that JupyterLab is there",
+        "dlab/tools/jupyter.py",
+        (("    if missing:\n", "    if False:\n"),),
+        ("tests/test_lab.py::test_without_jupyterlab_the_lab_says_what_to_install_before_any_url",),
+    ),
 ]
+
 
 def copy_checkout(dest: Path) -> None:
     for name in COPIED:

@@ -138,6 +138,36 @@ def test_zero3_shards_reshard_four_to_two_and_to_single(runs_dir, reference):
         assert_ranks_agree(run)
 
 
+def test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts(runs_dir):
+    """The default run's ZeRO resume: zero2 on 2 ranks, SGD with momentum (its buffer is the
+    optimizer state a resume must restore), checkpointed at step 3 of 6. Resumed on 2 ranks
+    (the same cuts: each rank loads its chunk of the parameters the boundary cuts, and of
+    their momentum) and resharded into ``single`` (whole tensors assembled from both ranks'
+    pieces), both finish like the uninterrupted run, to 1e-5 on every rank."""
+    run = {**RUN, "steps": 6}
+    clean = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, checkpoint_every=3, **run)
+    saved = clean.path / "checkpoints" / "step-00000003"
+    states = checkpoint.Reader(saved).states
+    assert {"rank0.pt", "rank1.pt"} <= set(states), "zero2 writes a file per rank"
+    # the checkpoint itself says which parameters the shard boundary cut: pieces in both files
+    cut = set(states["rank0.pt"]["params"]) & set(states["rank1.pt"]["params"])
+    assert cut, "no parameter straddles the two ranks' chunks: the case tests nothing"
+    assert all(states["rank1.pt"]["optim"][name]["momentum_buffer"]["data"].abs().max() > 0
+               for name in cut), "the momentum of a cut parameter is zero at the checkpoint"
+    resumed = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, resume=str(saved), **run)
+    one = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, resume=str(saved), **run)
+    want = final_state(clean)
+    for later in (resumed, one):
+        got = losses(later)
+        assert len(got) == 3, later.path.name
+        worst = max(abs(a - b) for a, b in zip(got, losses(clean)[3:]))
+        assert worst < 1e-5, (later.path.name, got, losses(clean)[3:])
+        for r in range(later.world_size):
+            mine = final_state(later, r)
+            diff, name = max(((mine[k] - want[k]).abs().max().item(), k) for k in want)
+            assert diff < 1e-5, f"{later.path.name} rank {r}: {name} differs by {diff:.2e}"
+
+
 class _Replica:
     replicated = True
 

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 
 from dlab.procs.process import free_port
 
@@ -75,3 +76,21 @@ def test_make_lab_serves_the_lab_headless_with_its_token():
             os.killpg(lab.pid, signal.SIGKILL)
             lab.wait()
     assert not psutil.pid_exists(lab.pid) or psutil.Process(lab.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_without_jupyterlab_the_lab_says_what_to_install_before_any_url(monkeypatch, capsys):
+    """A Python with dlab's dependencies but not its lab extras: ``python -m dlab lab`` exits 2
+    naming what is missing and the command that installs it, and prints no URL or token (the
+    venv built from the dependencies alone, in tests/test_install.py, runs the real command)."""
+    import importlib.util
+
+    from dlab.tools import jupyter
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jupyterlab" else real(name, *a))
+    monkeypatch.setattr(jupyter.os, "execve", lambda *a: pytest.fail("the lab was started"))
+    assert jupyter.main(free_port(), "127.0.0.1", []) == 2
+    out, err = capsys.readouterr()
+    assert "token" not in out + err and "http" not in out + err
+    assert "jupyterlab not installed" in err and 'pip install -e ".[lab]"' in err, err

@@ -8,15 +8,19 @@ when there is no display (Linux without DISPLAY or WAYLAND_DISPLAY), and the URL
 with a token we choose, so it is right whatever the server prints. The token goes to the
 server in its environment (JUPYTER_TOKEN), not on its command line, where any user of the
 machine could read it. The port is checked before start and the server is told not to wander
-to another one (the URL would then be wrong).
+to another one (the URL would then be wrong). JupyterLab is one of the lab's extras, not a
+dependency of the package: without it we say what to install before printing any URL.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
 import socket
 import sys
 from pathlib import Path
+
+INSTALL_LAB = 'pip install -e ".[lab]"'  # from the repository; make lab installs it into .venv
 
 
 def notebooks_dir() -> Path:
@@ -59,6 +63,12 @@ def command(port: int, ip: str = "127.0.0.1", token: str | None = None,
 
 def main(port: int, ip: str, extra: list[str]) -> int:
     """Start the lab in place of this process (signals then reach JupyterLab directly)."""
+    missing = [m for m in ("jupyterlab", "ipywidgets", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: {', '.join(missing)} not installed in this Python ({sys.executable}); the lab "
+              f"needs the package's lab extras: {INSTALL_LAB}, or make lab, which installs "
+              f"everything into .venv", file=sys.stderr)
+        return 2
     if not _port_free(ip, port):
         print(f"error: port {port} on {ip} is in use; pass another, e.g. python -m dlab lab "
               f"--port {port + 1} (make lab LAB_PORT={port + 1})", file=sys.stderr)
