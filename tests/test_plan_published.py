@@ -71,7 +71,7 @@ def test_the_plan_counts_the_collectives_a_run_makes(options, tmp_path):
     cost, so the count per dimension must be the run's: each rank's calls per step, as its comm
     meter booked them, against ``collective_calls`` for its pipeline stage."""
     from dlab.models.gpt import GPTConfig
-    from dlab.theory.plan import time as tm
+    from dlab.theory.plan import cpu as tm
     from dlab.theory.plan.spec import from_gpt
     lay = plan_layout(options)
     run = dlab.launch("nd", 4, runs_dir=tmp_path, wait=True, model_options=MODEL, options=options,

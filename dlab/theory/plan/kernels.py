@@ -36,6 +36,7 @@ hardware figure.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -74,9 +75,14 @@ def _quantized(x: int, tile: int) -> float:
 
 
 def _shape_factor(kernels: Kernels, m: int, n: int, k: int, batch: float = 1) -> float:
-    """What a shape keeps of a tile-perfect, wave-perfect, fill-free GEMM (module docstring)."""
+    """What a shape keeps of a tile-perfect, wave-perfect, fill-free GEMM (module docstring).
+    An output smaller than a tile runs in a kernel made for it (a GEMV, split-K): it pays no
+    quantization, and its bytes bound it."""
     tm, tn, tk = kernels.tile
-    out = _quantized(m, tm) * _quantized(n, tn) * k / (k + kernels.fill * tk)
+    out = k / (k + kernels.fill * tk)
+    if m < tm or n < tn:
+        return out
+    out *= _quantized(m, tm) * _quantized(n, tn)
     if kernels.sms:
         tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
         waves = tiles / kernels.sms
@@ -84,6 +90,7 @@ def _shape_factor(kernels: Kernels, m: int, n: int, k: int, batch: float = 1) ->
     return out
 
 
+@functools.lru_cache(maxsize=65536)
 def matmul_efficiency(kernels: Kernels, m: int, n: int, k: int, batch: float = 1) -> float:
     """Share of peak a (batch of) GEMM(s) of this shape reaches (module docstring): the best
     shape's measured share, times this shape's factor over the best shape's."""

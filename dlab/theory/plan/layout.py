@@ -17,6 +17,7 @@ the software stack's (``dlab.theory.plan.stacks``), not the layout's.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 
 from dlab.core.precision import PRECISIONS
@@ -48,7 +49,7 @@ class PlanLayout(Layout):
 
     def for_batch(self, global_batch: int) -> PlanLayout:
         """This layout with the micro-batches a global batch of ``global_batch`` sequences makes."""
-        return replace(self, microbatches=max(global_batch // (self.dp * self.micro_batch), 1))
+        return _for_batch(self, global_batch)
 
     def span(self, dim: str) -> int:
         """Consecutive ranks one group of ``dim`` covers (module docstring)."""
@@ -91,6 +92,9 @@ class PlanLayout(Layout):
         planner's own fields here, every rule of the degrees in ``Layout.problems`` (the ones
         ``nd`` and ``pipeline-*`` are held to; the lab's own code's rules apply to the lab's GPT
         only: real models pad their vocabulary and split any MLP)."""
+        return list(_problems(self, spec, global_batch, seq_len))
+
+    def _problems(self, spec, global_batch: int, seq_len: int) -> list[str]:
         bad = [f"{k}={getattr(self, k)!r} must be a whole number >= 1"
                for k in ("dp", "micro_batch", "recompute_every")
                if not _whole(getattr(self, k)) or getattr(self, k) < 1]
@@ -120,6 +124,17 @@ class PlanLayout(Layout):
                        f"micro_batch = batch / dp = {global_batch // self.dp}")
         return out + Layout.problems(lay, shape(spec, seq_len), lay.dp * lay.microbatches,
                                      lab=spec.gpt is not None)
+
+
+@functools.lru_cache(maxsize=65536)
+def _for_batch(lay: PlanLayout, global_batch: int) -> PlanLayout:
+    return replace(lay, microbatches=max(global_batch // (lay.dp * lay.micro_batch), 1))
+
+
+@functools.lru_cache(maxsize=65536)
+def _problems(lay: PlanLayout, spec, global_batch: int, seq_len: int) -> tuple[str, ...]:
+    """``PlanLayout.problems``, remembered: a search asks once, ``plan`` again."""
+    return tuple(lay._problems(spec, global_batch, seq_len))
 
 
 def _whole(value) -> bool:

@@ -23,10 +23,12 @@ prediction names its stack. What a stack decides:
 - ``copies``: gathered weights and reduced gradients are copied between the collective's
   flat buffer and the parameters (FSDP2's per-parameter sharding, DeepSpeed's partitioned
   parameters), a memory-bound pass over each;
-- ``bucket``: gradients reduced per bucket of that many parameters, the last one exposed.
+- ``bucket``: gradients reduced per bucket of that many parameters, the last one exposed
+  (infinite: one flat all-reduce, Megatron-LM 2021's; 0: a unit per layer, FSDP's).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -67,7 +69,7 @@ PRESETS = {s.name: s for s in (
           "bias-dropout-add and scale-mask-softmax kernels) and Korthikanti et al. 2022 ran it: "
           "its default 'local' DDP all-reduces the gradients after the pipeline's last backward, "
           "tensor-parallel collectives and pipeline sends block", fused=True, attention="fa2",
-          grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0, bucket=0.0),
+          grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0, bucket=math.inf),
     Stack("megatron-core-2024",
           "Megatron-Core r0.8 as Megatron-LM's README benchmarks it (July 2024): Transformer "
           "Engine's fused kernels and cuDNN attention, the distributed optimizer with "

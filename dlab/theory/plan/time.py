@@ -44,6 +44,8 @@ it, and writes the 16-bit weights.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -84,7 +86,18 @@ def _seconds(ops, cluster, stack, knobs, elt) -> float:
 
 def compute(spec, cluster, lay, stack, seq_len: int, pp_rank: int, knobs: Knobs) -> dict:
     """Seconds of one micro-batch's compute on ``pp_rank`` (forward, backward, recompute) and
-    the per-layer windows the overlaps use."""
+    the per-layer windows the overlaps use. Layouts that differ only in what does not change a
+    micro-batch's compute (dp, ZeRO, the schedule, the micro-batches) share one pricing."""
+    return _compute(spec, cluster, _pricing_key(lay), stack, seq_len, pp_rank, knobs)
+
+
+@functools.lru_cache(maxsize=65536)
+def _pricing_key(lay):
+    return dataclasses.replace(lay, dp=1, zero=0, zero_group=0, microbatches=1, schedule="1f1b")
+
+
+@functools.lru_cache(maxsize=4096)
+def _compute(spec, cluster, lay, stack, seq_len: int, pp_rank: int, knobs: Knobs) -> dict:
     elt = 4 if lay.precision == "fp32" else 2
     fwd, bwd = layer_ops(spec, lay, stack, seq_len)
     layers = layers_on(spec, lay, pp_rank)
