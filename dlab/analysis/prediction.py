@@ -15,10 +15,17 @@ link; its collectives' measured costs need ``python -m dlab bench plan``'s calib
 here they cost the link's time), unless one is given. ``None`` where the planner cannot model
 the run: a strategy with no layout (parameter servers, local SGD), the MLP, a GPU it has no
 preset for, or a layout it refuses.
+
+On the CPU, "this machine" is as ``python -m dlab bench plan`` last calibrated it
+(``docs/bench/plan.json``'s "(calibration)" and "(probe)" rows at the nearest number of ranks:
+one thread's rate on the lab GPT, the fixed cost per layer, each collective's cost a call),
+since measuring it afresh takes a minute; where that file has no calibration the collectives
+cost the fitted link's time and the layers nothing fixed, and the figures say so.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 
@@ -48,16 +55,42 @@ def run_layout(config: RunConfig) -> Layout | None:
         return None
 
 
+BENCH = clusters.FITTED_LINK.parent / "plan.json"
+
+
+def recorded_machine(world: int, path=BENCH):
+    """This CPU as ``bench plan`` last calibrated it, at the calibrated number of ranks nearest
+    ``world`` (module docstring); the uncalibrated machine where there is none."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        rows = []
+    calibrations = [r for r in rows if r.get("layout") == "(calibration)"]
+    if not calibrations:
+        return clusters.this_machine(ranks=world)
+    cal = min(calibrations, key=lambda r: abs(r["ranks"] - world))
+    calls = []
+    for r in rows:
+        if r.get("layout", "").startswith("(probe)") and r["ranks"] == cal["ranks"]:
+            op, _, group = r["layout"].removeprefix("(probe) ").partition(" over ")
+            calls.append((op, int(group), r["call_ms"] * 1e-3, 0.0))
+    return clusters.this_machine(peak=cal["rate_GFLOPs"] * 1e9, ranks=world,
+                                 layer_overhead=cal["layer_overhead_ms"] * 1e-3,
+                                 ring_tile=(cal["tile_ms"] * 1e-3, cal["tile_ns_per_element"] * 1e-9),
+                                 calls=tuple(calls),
+                                 utilization=cal["utilization"] if world > 2 else 1.0)
+
+
 def machine(config: RunConfig):
-    """The cluster the run ran on: the preset of its GPU, or this CPU; None for a GPU the
-    planner has no preset for."""
+    """The cluster the run ran on: the preset of its GPU, or this CPU as last calibrated
+    (``recorded_machine``); None for a GPU the planner has no preset for."""
     if config.resolved_device() == "cuda" and gpu_count():
         name = torch.cuda.get_device_name()
         for key, preset in (("A100", "a100-80gb"), ("H200", "h200"), ("H100", "h100-sxm")):
             if key in name:
                 return clusters.preset(preset)
         return None
-    return clusters.this_machine(ranks=config.world_size)
+    return recorded_machine(config.world_size)
 
 
 def predict_run(config, cluster=None) -> dict | None:

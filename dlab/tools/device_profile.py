@@ -102,8 +102,10 @@ def attention(seqs, repeats: int, heads: int = 4, width: int = 64) -> tuple:
         fwd = _seconds(forward, repeats)
         out_ = forward()
         grad = torch.ones_like(out_)
-        both = _seconds(lambda o=out_, g=grad: torch.autograd.grad(o, (q, k, v), g, retain_graph=True),
-                        repeats)
+        def backward(o=out_, g=grad, ins=(q, k, v)):
+            return torch.autograd.grad(o, ins, g, retain_graph=True)
+
+        both = _seconds(backward, repeats)
         out.append((s, flops / fwd, 2.5 * flops / both))
     return tuple(out)
 
@@ -127,7 +129,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 def _collective(op: str, n: int, size: int):
     """A closure running one ``op`` of an ``size``-byte buffer on this rank."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     elems = max(size // 4 // n * n, n)
     buf, out = torch.zeros(elems, device=dev), torch.zeros(elems, device=dev)
     shard = torch.zeros(elems // n, device=dev)
@@ -247,7 +250,8 @@ def profile(path, quick: bool = False, ranks: int = 2, runs_dir: str = "runs") -
 def describe(doc: dict, against: str = "h100-sxm") -> str:
     """A profile's figures, and on a GPU what moved against the preset's assumed constants."""
     k = doc["kernels"]
-    lines = [f"{doc['name']} ({doc['measured'].get('date', '')}): best matmul {max(r[3] for r in k['matmul_table']) / 1e12:.3g} "
+    best = max(r[3] for r in k["matmul_table"])
+    lines = [f"{doc['name']} ({doc['measured'].get('date', '')}): best matmul {best / 1e12:.3g} "
              f"TFLOP/s ({k['matmul']:.0%} of the {doc['peak_flops'] / 1e12:.3g} TFLOP/s peak), "
              f"memory {doc['memory_bandwidth'] / 1e9:.3g} GB/s, a kernel {k['launch'] * 1e6:.1f} us"]
     lines += [f"  attention over {s} keys: forward {f / 1e12:.3g}, backward {b / 1e12:.3g} TFLOP/s"

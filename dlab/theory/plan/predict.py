@@ -120,7 +120,8 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int, stack=None,
     """Predict ``lay`` for ``spec`` on ``cluster`` under ``stack`` (a ``Stack`` or its name;
     default ``stacks.DEFAULT``). ``knobs``: the planner-wide constants (default: the cluster's
     ``SUSTAINED`` share and the rest at their nominal values)."""
-    stack = stack_presets.preset(stack or stack_presets.DEFAULT) if isinstance(stack, str) or stack is None else stack
+    if stack is None or isinstance(stack, str):
+        stack = stack_presets.preset(stack or stack_presets.DEFAULT)
     knobs = knobs or Knobs(sustained=sustained(cluster))
     problems = [*spec.problems(), *lay.problems(spec, global_batch, seq_len)]
     if not cluster.cores and cluster.kernels is None:

@@ -192,7 +192,7 @@ def table(results: list[dict], sources: list | None = None) -> str:
                      f"{r['metric']:>14s} {r['published']:8.4g} {r['predicted']:8.4g} {rng:>17s} "
                      f"{r['throughput_error']:+6.1%}{mark}")
     lines.append("per source (each scored with the sustained shares fitted on the other sources):")
-    for key, s in by_source(results).items():
+    for s in by_source(results).values():
         inside = f", {s['inside']:.0%} inside their ranges" if not math.isnan(s["inside"]) else ""
         lines.append(f"  {s['source']:34s} {s['rows']:3d} rows: mean absolute error {s['mean_abs']:5.1%}, "
                      f"signed {s['signed']:+5.1%}{inside}")

@@ -40,7 +40,8 @@ def perturbed(cluster, name: str, factor: float):
     if name in ("intra", "inter"):
         link = getattr(cluster, name)
         ops = tuple((op, lvl, lat, bw * factor if lvl == name else bw) for op, lvl, lat, bw in cluster.ops)
-        return dataclasses.replace(cluster, ops=ops, **{name: dataclasses.replace(link, beta=link.beta / factor)})
+        moved = dataclasses.replace(link, beta=link.beta / factor)
+        return dataclasses.replace(cluster, ops=ops, **{name: moved})
     if name == "latency":
         ops = tuple((op, lvl, lat * factor, bw) for op, lvl, lat, bw in cluster.ops)
         return dataclasses.replace(cluster, ops=ops, **{
