@@ -36,8 +36,8 @@ the tensor: forward / backward), fused (Megatron's kernels, Transformer Engine,
                                                          3.5 / 2.5 (its own kernel)
     activation                f/t (x k)      GeLU 2 / 3, SwiGLU 3 / 5; eager SwiGLU 5 / 9
     rotary embedding          (h + h_kv)/t   2 / 2       10 / 10 (an fp32 complex multiply)
-    attention output copy     h/t            0 / 0       2 / 2 (the transpose back, contiguous)
-    GQA repeat of K and V     (2h + 2h_kv)/t 0 / 0       1 / 1 (read g heads, write a heads)
+    attention output copy     h/t            none        2 / 2 (the transpose back, contiguous)
+    GQA repeat of K and V     (2h + 2h_kv)/t none        1 / 1 (read g heads, write a heads)
 
 and once a micro-batch: the loss over T x V/t fp32 logits (fused: 10 bytes an element forward,
 6 backward; eager 20 and 18: the logits cast to fp32 first, as the Llama reference does), the
@@ -91,8 +91,7 @@ def _matmul(name: str, m: float, n: float, k: float, batch: float = 1,
 #: (forward passes, backward passes, forward kernels, backward kernels) of each memory-bound
 #: operation per element (module docstring)
 FUSED = {"norm": (2, 4, 1, 2), "residual": (3, 3, 1, 1), "gelu": (2, 3, 1, 1),
-         "swiglu": (3, 5, 1, 1), "rope": (2, 2, 1, 1), "copy": (0, 0, 0, 0), "repeat": (0, 0, 0, 0),
-         "loss": (10, 6, 3, 1)}
+         "swiglu": (3, 5, 1, 1), "rope": (2, 2, 1, 1), "loss": (10, 6, 3, 1)}
 EAGER = {"layernorm": (2, 4, 1, 2), "rmsnorm": (18, 32, 7, 12), "residual": (3, 3, 1, 1),
          "dropout": (3.5, 2.5, 2, 1), "gelu": (2, 3, 1, 1), "swiglu": (5, 9, 2, 3),
          "rope": (10, 10, 3, 3), "copy": (2, 2, 1, 1), "repeat": (1, 1, 2, 2), "loss": (20, 18, 6, 4)}
@@ -164,7 +163,7 @@ def layer_ops(spec, lay, stack, seq_len: int) -> tuple[list[Op], list[Op]]:
     add(_memory("activation", tokens * batch * width, table[spec.mlp], e))
     if spec.rope:
         add(_memory("rotary embedding", T * (h + kv) / t, table["rope"], e))
-    if lay.attention == "flash":
+    if lay.attention == "flash" and not stack.fused:  # eager layout changes around the kernel
         add(_memory("attention output copy", T * h / t, table["copy"], e))
         if spec.n_kv_head < a:  # grouped-query attention: K and V repeated to every head
             add(_memory("GQA repeat", T * (2 * h + 2 * kv) / t, table["repeat"], e))
