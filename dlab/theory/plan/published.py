@@ -141,7 +141,8 @@ def check(rows=None, loso: dict | None = None, ranges: bool = True) -> list[dict
                  "gpus": row.gpus, "layout": row.layout.describe(), "stack": row.stack,
                  "metric": row.metric, "published": row.value, "predicted": pred,
                  "error": pred / row.value - 1, "throughput_error": row.throughput_error(p.step_s),
-                 "sustained": sustained, "fits": p.fits, "memory_GB": p.memory["total"] / 1e9,
+                 "sustained": sustained, "generation": row.generation, "fits": p.fits,
+                 "memory_GB": p.memory["total"] / 1e9,
                  "assumed": row.assumed}
         if ranges:
             fast, slow = step_range(p, KNOBS)
@@ -168,7 +169,7 @@ def signed_mean_error(results: list[dict]) -> float:
 
 def by_source(results: list[dict]) -> dict[str, dict]:
     """Per source: rows, mean absolute and signed throughput error, share inside the range, and
-    the sustained share it was scored with (fitted without it)."""
+    the sustained shares it was scored with (fitted without it), by GPU die."""
     out = {}
     for key in dict.fromkeys(r["key"] for r in results):
         mine = [r for r in results if r["key"] == key]
@@ -176,7 +177,7 @@ def by_source(results: list[dict]) -> dict[str, dict]:
                     "mean_abs": mean_abs_error(mine), "signed": signed_mean_error(mine),
                     "inside": (statistics.fmean(r["inside"] for r in mine) if "inside" in mine[0]
                                else math.nan),
-                    "sustained": mine[0]["sustained"]}
+                    "sustained": {r["generation"]: r["sustained"] for r in mine}}
     return out
 
 
