@@ -8,7 +8,8 @@ import pytest
 
 from dlab.exercises import EXERCISES, check
 
-SOLUTION = Path(__file__).resolve().parent.parent / "docs" / "instructor" / "solutions" / "activation_bytes.py"
+SOLUTIONS = Path(__file__).resolve().parent.parent / "docs" / "instructor" / "solutions"
+SOLUTION = SOLUTIONS / "activation_bytes.py"
 
 MISTAKES = [  # a learner's typical wrong answers, and what the report must say
     ("def activation_bytes(s, b, h, a, t, sp, recompute):\n"  # every term split by t, sp or not

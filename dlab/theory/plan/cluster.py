@@ -111,7 +111,7 @@ class Cluster:
 
     def oversubscribed(self, world: int) -> bool:
         """Whether ``world`` ranks outnumber the cores: then a step is CPU seconds shared out
-        over the cores (``dlab.theory.plan.time``)."""
+        over the cores (``dlab.theory.plan.cpu``)."""
         return bool(self.cores and world > self.cores)
 
     def call_cost(self, op: str, group: int, payload: float) -> float | None:
