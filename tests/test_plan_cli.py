@@ -44,6 +44,8 @@ def test_cli_breaks_one_layout_down(capsys):
     (["--cluster", "tpu-v9"], "unknown cluster preset 'tpu-v9'"),
     (["--stack", "jax"], "--stack 'jax': choose one of"),
     (["--cluster", "missing.json", "--gpus", "8"], "cannot read the cluster profile missing.json"),
+    (["calibrate", "--out", "no/such/folder/p.json"], "--out no/such/folder/p.json: give a file in a folder"),
+    (["calibrate", "--ranks", "0"], "--ranks 0: give a whole number >= 1"),
 ])
 def test_cli_refuses_nonsense_before_any_work_saying_what_to_change(argv, says, capsys):
     assert main(["plan", *argv]) == 2

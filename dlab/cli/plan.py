@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
+from pathlib import Path
 
 from dlab.core.config import ConfigError
 from dlab.theory.plan import clusters, models, published, stacks
@@ -100,6 +102,11 @@ def check_arguments(args) -> None:
         raise ConfigError(f"--gpus {args.gpus}: give the number of GPUs, a whole number >= 1")
     if args.stack not in stacks.PRESETS:
         raise ConfigError(f"--stack {args.stack!r}: choose one of {', '.join(stacks.PRESETS)}")
+    if args.action == "calibrate":
+        folder = Path(args.out).resolve().parent
+        if Path(args.out).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--out {args.out}: give a file in a folder that exists and can be "
+                              f"written, e.g. --out profile.json")
 
 
 def _presets(args):
@@ -145,6 +152,9 @@ def run(args) -> int:
 def _calibrate(args) -> int:
     measured = device_profile.profile(args.out, quick=args.quick, ranks=args.ranks)
     print(device_profile.describe(measured))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(measured, f, indent=1)
     print(f"wrote {args.out}: python -m dlab plan --cluster {args.out} --model ... reads it")
     return 0
 
