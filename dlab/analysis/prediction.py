@@ -13,8 +13,9 @@ one rank (``single``). The machine is the cluster preset of the run's GPU, or "t
 (``dlab.theory.plan.cluster.this_machine``: the CPU's measured matmul peak and the fitted
 link; its collectives' measured costs need ``python -m dlab bench plan``'s calibration, so
 here they cost the link's time), unless one is given. ``None`` where the planner cannot model
-the run: a strategy with no layout (parameter servers, local SGD), the MLP, a GPU it has no
-preset for, or a layout it refuses.
+the run: a strategy with no layout (parameter servers, local SGD), the MLP, a run in mixed
+precision (the lab's exact formulas count its GPT in fp32), a GPU it has no preset for, or a
+layout it refuses.
 
 On the CPU, "this machine" is as ``python -m dlab bench plan`` last calibrated it
 (``docs/bench/plan.json``'s "(calibration)" and "(probe)" rows at the nearest number of ranks:
@@ -31,7 +32,7 @@ import torch
 
 from dlab import parallel
 from dlab.core.config import RunConfig
-from dlab.core.machine import gpu_count
+from dlab.core.machine import GPU_PEAK_FLOPS, gpu_count
 from dlab.layout.layout import Layout
 from dlab.theory import nd as nd_theory
 from dlab.theory.plan import cluster as clusters
@@ -82,13 +83,15 @@ def recorded_machine(world: int, path=BENCH):
 
 
 def machine(config: RunConfig):
-    """The cluster the run ran on: the preset of its GPU, or this CPU as last calibrated
-    (``recorded_machine``); None for a GPU the planner has no preset for."""
+    """The cluster the run ran on: the preset of its GPU (at its fp32 peak: the lab trains in
+    fp32, the presets price bf16 tensor-core kernels), or this CPU as last
+    calibrated (``recorded_machine``); None for a GPU the planner has no preset for."""
     if config.resolved_device() == "cuda" and gpu_count():
         name = torch.cuda.get_device_name()
         for key, preset in (("A100", "a100-80gb"), ("H200", "h200"), ("H100", "h100-sxm")):
             if key in name:
-                return clusters.preset(preset)
+                cluster = clusters.preset(preset)
+                return dataclasses.replace(cluster, peak=GPU_PEAK_FLOPS[key]["fp32"])
         return None
     return recorded_machine(config.world_size)
 
@@ -96,8 +99,8 @@ def machine(config: RunConfig):
 def predict_run(config, cluster=None) -> dict | None:
     """The planner's figures for the run ``config`` (module docstring), or None."""
     cfg = config if isinstance(config, RunConfig) else RunConfig.from_dict(dict(config))
-    if cfg.model not in ("gpt", "moe"):
-        return None
+    if cfg.model not in ("gpt", "moe") or cfg.options.get("precision", "fp32") != "fp32":
+        return None  # the lab's exact formulas count the GPT's state in fp32
     lay = run_layout(cfg)
     cluster = cluster or machine(cfg)
     if lay is None or cluster is None:
