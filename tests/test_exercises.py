@@ -12,6 +12,13 @@ from dlab.exercises import EXERCISES, check
 SOLUTIONS = Path(__file__).resolve().parent.parent / "docs" / "instructor" / "solutions"
 
 MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report must say)
+    "activation_bytes": (  # every term divided by t, sequence parallel or not
+        "def activation_bytes(s, b, h, a, t, sp, recompute):\n"
+        "    sbh = s * b * h\n"
+        "    if recompute == 'full':\n        return 2 * sbh / t\n"
+        "    core = 0 if recompute == 'selective' else 5 * a * s * s * b\n"
+        "    return (34 * sbh + core) / t\n",
+        "without sequence parallelism the 10 s b h"),
     "shard_rows": ("def shard_rows(batch_size, rank, world_size):\n"
                    "    return range(rank, batch_size, world_size)\n",
                    "batch 8, rank 0 of 2: expected rows [0, 1, 2, 3], got [0, 2, 4, 6]"),

@@ -1,19 +1,22 @@
-"""The planner against the papers' own figures and formulas, and its search against brute force.
+"""The planner against the papers' own figures and formulas, each term of its step against a
+count written here apart from its code, and its search against brute force.
 
 The ZeRO paper's model-state figures and Korthikanti et al.'s activation formulas are closed
-forms written in the papers; ``dlab.theory.plan.memory`` counts per category and tensor by tensor, so
-their agreement checks the count, not a formula against itself. Parameter counts are the
-published sizes of the presets.
+forms written in the papers; ``dlab.theory.plan.memory`` counts per category and tensor by
+tensor, so their agreement checks the count, not a formula against itself. The step's terms
+are held to hand-worked rooflines (a matmul's tile and wave quantization done by hand), to
+the papers' per-layer communication (Korthikanti et al.: four all-reduces of b s h per layer),
+to Adam's bytes over the memory bandwidth, and to nccl-tests' two regimes of a collective.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 
 import pytest
 
-from dlab.plan import PlanError, PlanLayout, clusters, models, plan
-from dlab.theory.comm import AlphaBeta
+from dlab.plan import PlanError, PlanLayout, clusters, models, plan, stacks
+from dlab.theory.plan import collectives, kernels
 from dlab.theory.plan.memory import (
     activations,
     layer_activation_terms,
@@ -22,7 +25,9 @@ from dlab.theory.plan.memory import (
     rank_params,
     state_bytes,
 )
+from dlab.theory.plan.ops import end_ops, layer_ops
 from dlab.theory.plan.search import layouts, pareto, search
+from dlab.theory.plan.time import Knobs, exposed
 
 GB = 1e9
 
@@ -44,9 +49,16 @@ def test_model_state_of_a_layout_is_the_papers_accounting_of_its_parameters():
     assert got["optimizer"] == pytest.approx(12 * psi / 64)
 
 
+def test_hybrid_sharding_shards_over_its_group_only():
+    spec = models.preset("llama2-7b")
+    psi = spec.n_params()
+    got = model_state(spec, PlanLayout(dp=128, zero=3, zero_group=8), 0)
+    assert sum(got.values()) == pytest.approx(16 * psi / 8)
+
+
 @pytest.mark.parametrize("name,published", [
-    ("gpt3-175b", 175e9), ("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9),
-    ("llama3-405b", 405.9e9), ("mixtral-8x7b", 46.7e9)])
+    ("gpt3-175b", 175e9), ("llama2-7b", 6.74e9), ("llama2-13b", 13.0e9), ("llama2-70b", 69.0e9),
+    ("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9), ("llama3-405b", 405.9e9), ("mixtral-8x7b", 46.7e9)])
 def test_presets_have_their_published_sizes(name, published):
     assert models.preset(name).n_params() == pytest.approx(published, rel=0.01)
 
@@ -55,6 +67,21 @@ def test_mixtral_activates_its_published_parameters_per_token():
     spec = models.preset("mixtral-8x7b")
     active = spec.n_layer * spec.active_layer_params() + 2 * spec.embedding_params()
     assert active == pytest.approx(12.9e9, rel=0.01)  # Jiang et al. 2024: 12.9B active
+
+
+def test_a_hugging_face_config_reads_as_the_model_it_describes(tmp_path):
+    """Llama 3 8B's released config.json (its fields as published) is the preset."""
+    path = tmp_path / "config.json"
+    path.write_text('{"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", '
+                    '"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, '
+                    '"num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, '
+                    '"rope_theta": 500000.0, "tie_word_embeddings": false, "vocab_size": 128256}')
+    got = models.preset(str(path))
+    want = models.preset("llama3-8b")
+    assert dataclasses.replace(got, name=want.name) == want
+    (tmp_path / "bad.json").write_text('{"hidden_size": 4096}')
+    with pytest.raises(ValueError, match="lacks num_hidden_layers, num_attention_heads, vocab_size"):
+        models.preset(str(tmp_path / "bad.json"))
 
 
 # Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
@@ -87,6 +114,17 @@ def test_korthikanti_first_pipeline_stage_holds_L_layers_worth():
     assert got - p * SBH / T == pytest.approx(SBH * GPT3.n_layer / T * (34 + 5 * A * S / H), rel=1e-12)
 
 
+def test_recomputing_every_second_layer_keeps_half_the_layers_whole():
+    spec = models.preset("llama3-8b")
+    lay = PlanLayout(recompute="full", recompute_every=2)
+    kept, again = layer_bytes(spec, dataclasses.replace(lay, recompute_every=1), 1, 4096)
+    whole = sum(layer_activation_terms(spec, lay, 1, 4096).values())
+    assert kept + again == pytest.approx(whole)
+    every = activations(spec, PlanLayout(recompute="full"), 1, 4096, 0)
+    per_layer = (activations(spec, lay, 1, 4096, 0) - every) / 32
+    assert per_layer == pytest.approx((whole - kept) / 2, rel=1e-9)
+
+
 def test_flash_attention_keeps_no_s_squared_term_and_gqa_shrinks_k_v():
     spec = models.preset("llama3-70b")
     flash = layer_activation_terms(spec, PlanLayout(), 1, 8192)
@@ -97,24 +135,169 @@ def test_flash_attention_keeps_no_s_squared_term_and_gqa_shrinks_k_v():
     assert wide["k, v"] == pytest.approx(2 * 2 * 8192 * spec.kv_width / spec.n_kv_head)
 
 
-LLAMA70, H100 = models.preset("llama3-70b"), clusters.preset("h100-sxm")
+# --- every operation against a hand-worked roofline -----------------------------------------
+H100 = clusters.preset("h100-sxm")
+A100 = clusters.preset("a100-80gb")
+LLAMA8, LLAMA70 = models.preset("llama3-8b"), models.preset("llama3-70b")
 
 
-def test_data_parallelism_divides_compute_and_tp_across_nodes_costs_more():
-    one = plan(LLAMA70, H100, PlanLayout(dp=8, tp=8, pp=4, zero=1, sequence_parallel=True), 256, 4096)
-    two = plan(LLAMA70, H100, PlanLayout(dp=16, tp=8, pp=4, zero=1, sequence_parallel=True), 256, 4096)
-    assert two.time["compute"] == pytest.approx(one.time["compute"] / 2)
-    inside = plan(LLAMA70, H100, PlanLayout(dp=2, tp=8, pp=8, zero=1, sequence_parallel=True), 64, 4096)
-    across = plan(LLAMA70, H100, PlanLayout(dp=1, tp=16, pp=8, zero=1, sequence_parallel=True), 64, 4096)
-    assert across.time["tp_comm"] > 5 * inside.time["tp_comm"]
+def test_a_matmul_costs_its_flops_at_its_shapes_share_of_peak():
+    """8192 x 4096 @ 4096 x 6144 on an H100, worked by hand: 64 x 24 = 1536 tiles of 128 x 256
+    on 132 SMs are 11.64 waves, run as 12 (a factor 0.9697); the main loop's 4096 / 64 = 64
+    steps plus 6 of fill (0.9143). Bekman's best shape, 2048 x 2048 x 13312, has 128 tiles
+    (0.9697) and 208 steps (0.97196), at 794.5 of 989 TFLOP/s."""
+    share = 794.5 / 989 * (0.969697 * 64 / 70) / (0.969697 * 208 / 214)
+    want = 2 * 8192 * 6144 * 4096 / (989e12 * share) + 3e-6
+    assert kernels.matmul_time(H100, 8192, 6144, 4096) == pytest.approx(want, rel=1e-4)
+    # a quarter of a tile's rows idle: 8192 x 4096 @ 4096 x 6176 pays for 25 columns of tiles
+    wide = kernels.matmul_efficiency(H100.kernels, 8192, 6176, 4096)
+    assert wide / kernels.matmul_efficiency(H100.kernels, 8192, 6144, 4096) == pytest.approx(
+        (6176 / (25 * 256)) * (1600 / 132 / 13) / (1536 / 132 / 12), rel=1e-9)
 
 
-def test_bubble_is_the_schedules_idle_share_when_nothing_else_costs():
-    fast = dataclasses.replace(H100, intra=AlphaBeta.link(1e30, 0.0), inter=AlphaBeta.link(1e30, 0.0),
-                               hbm=1e30)
+def test_a_skinny_matmul_is_memory_bound():
+    """One token through an 8192 x 8192 weight: 2 x 8192^2 FLOPs but 2 x (8192 + 8192^2 +
+    8192) bytes, at 85 % of 3.35 TB/s: the bytes decide."""
+    want = 2 * (8192 + 8192 * 8192 + 8192) / (3.35e12 * 0.85) + 3e-6
+    assert kernels.matmul_time(H100, 1, 8192, 8192) == pytest.approx(want, rel=1e-12)
+
+
+def test_memory_bound_ops_and_attention_cost_what_their_roofline_says():
+    assert kernels.memory_time(H100, 1e9, kernels=3) == pytest.approx(1e9 / (3.35e12 * 0.85) + 9e-6)
+    # FlashAttention-3 forward over 8192 keys: 0.63 of peak times 8192 / (8192 + 512)
+    flops = 4 * 8192 * 4096 * 4096 * 0.5
+    want = flops / (989e12 * 0.63 * 8192 / 8704) + 3e-6
+    assert kernels.attention_time(H100, "fa3", flops, 8192, backward=False) == pytest.approx(want)
+
+
+def test_a_layers_ops_are_the_models_flops_and_its_eager_norm_passes():
+    """Forward matmuls are 2 FLOPs per weight a token multiplies by (a third of 6N); the
+    attention core 4 b s (s/2) h (the causal half); eager RMSNorm moves 18 bf16 passes of its
+    input forward and 32 backward, fused 2 and 4 (``ops`` docstring)."""
+    lay = PlanLayout(micro_batch=2)
+    for stack in (stacks.preset("megatron-core-2024"), stacks.preset("torchtitan-fsdp2")):
+        fwd, bwd = layer_ops(LLAMA8, lay, stack, 4096)
+        mm = sum(op.flops for op in fwd if op.kind == "matmul")
+        assert mm == pytest.approx(2 * 2 * 4096 * LLAMA8.active_layer_params())
+        assert sum(op.flops for op in bwd if op.kind == "matmul") == pytest.approx(2 * mm)
+        core = next(op for op in fwd if op.kind == "attention")
+        assert core.flops == pytest.approx(4 * 2 * 4096 * 2048 * LLAMA8.d_model)
+        norms = next(op for op in fwd + bwd if op.name == "norms backward")
+        passes = 32 if not stack.fused else 4
+        assert norms.nbytes == pytest.approx(2 * passes * 2 * 2 * 4096 * LLAMA8.d_model)
+    ends = end_ops(LLAMA8, lay, stacks.preset("megatron-core-2024"), 4096, first=False, last=True)
+    head = next(op for op in ends[0] if op.name == "head")
+    assert head.flops == pytest.approx(2 * 2 * 4096 * LLAMA8.embedding_params())
+
+
+# --- communication: two regimes, and the link a group lands on -------------------------------
+def test_a_collective_is_latency_bound_small_and_at_line_rate_large():
+    """nccl-tests' two regimes: a few bytes cost the steps' latency (an 8-GPU all-reduce, a
+    tree's 2 log2 8 = 6 steps of 1.5 us), a gigabyte the bus bandwidth (370 GB/s on NVLink)."""
+    tiny = collectives.collective_time(H100, "all_reduce", 8, 8)
+    assert tiny == pytest.approx(6 * 1.5e-6, rel=1e-3)
+    assert collectives.achieved_busbw(H100, "all_reduce", 8, 8) == pytest.approx(
+        2 * 7 / 8 * 8 / tiny, rel=1e-6)  # bus bytes over latency: it grows with the size
+    assert collectives.achieved_busbw(H100, "all_reduce", 8e9, 8) == pytest.approx(370e9, rel=1e-3)
+    # all-gathers are rings: n-1 steps however many ranks
+    assert collectives.collective_time(H100, "all_gather", 8, 64, 8) == pytest.approx(63 * 5e-6, rel=1e-3)
+
+
+@pytest.mark.parametrize("stride,per_node,busbw", [(1, 0, 370e9), (8, 1, 48e9), (4, 2, 96e9),
+                                                   (1, 8, 370e9)])
+def test_a_group_drives_as_many_nics_as_it_has_members_in_a_node(stride, per_node, busbw):
+    """NVIDIA's GTC 2024 S62129 figures: 48 GB/s for one 400G NIC, 380 for a DGX H100's eight
+    (8 x 48, capped by NVLink's 370 here); a group inside one node runs on NVLink."""
+    n = 8 if per_node == 0 else 16
+    assert collectives.placement(H100, n, stride) == per_node
+    assert collectives.link(H100, "all_reduce", n, stride)[1] == pytest.approx(busbw)
+
+
+# --- overlap: a share of 0 exposes all, 1 hides what the window covers -----------------------
+def test_an_overlap_share_of_zero_exposes_all_and_of_one_what_the_window_leaves():
+    assert exposed(3.0, 2.0, 0.0) == 3.0
+    assert exposed(3.0, 2.0, 1.0) == 1.0
+    assert exposed(3.0, 5.0, 1.0) == 0.0
+    assert exposed(3.0, 2.0, 0.5) == 2.0
+
+
+def test_tensor_parallel_collectives_show_whole_without_overlap_and_hide_with_it():
+    """Korthikanti et al.: two all-reduces of b s h forward and two backward per layer (with
+    sequence parallelism two all-gathers and two reduce-scatters each way, the same bytes).
+    Without overlap every one is exposed; with it those behind the matmuls hide."""
+    lay = PlanLayout(dp=8, tp=8, sequence_parallel=True)
+    none = dataclasses.replace(stacks.preset("megatron-core-2024"), tp=0.0)
+    full = dataclasses.replace(none, tp=1.0)
+    shown = plan(LLAMA70, H100, lay, 64, 4096, none)
+    m, act = 8, 2 * 4096 * LLAMA70.d_model
+    per = 2 * collectives.collective_time(H100, "all_gather", act, 8) \
+        + 2 * collectives.collective_time(H100, "reduce_scatter", act, 8)
+    ends = 3 * collectives.collective_time(H100, "reduce_scatter", act, 8)
+    assert shown.time["tp_comm"] == pytest.approx(m * (2 * LLAMA70.n_layer * per + ends), rel=1e-9)
+    hidden = plan(LLAMA70, H100, lay, 64, 4096, full)
+    assert hidden.time["tp_comm"] == pytest.approx(m * ends, rel=1e-9)  # only the ends show
+
+
+def test_tensor_parallel_bytes_are_korthikantis_per_layer_count():
+    """Sent by a rank per step: 4 all-reduces of b s h per layer and micro-batch, 2 (t-1)/t of
+    each (the ring), plus one at the embedding and two at the head."""
+    t, m, layers = 8, 8, LLAMA70.n_layer
+    act = 2 * 1 * 4096 * LLAMA70.d_model
+    for sp in (False, True):
+        p = plan(LLAMA70, H100, PlanLayout(dp=8, tp=t, sequence_parallel=sp), 64, 4096)
+        ends = 3 * (1 if sp else 2) * (t - 1) / t * act
+        assert p.sent["tp"] == pytest.approx(m * (layers * 4 * 2 * (t - 1) / t * act + ends))
+
+
+def test_data_parallel_bytes_are_the_zero_papers_ring_volumes():
+    """Per step and rank over n data ranks: ZeRO-0 an all-reduce of the 2-byte gradients,
+    2 (n-1)/n; ZeRO-1 a reduce-scatter and an all-gather, (n-1)/n each; ZeRO-3 per micro-batch a
+    reduce-scatter and two all-gathers (forward and backward) but the last layer's backward
+    gather (FSDP keeps it)."""
+    spec, n, m = LLAMA8, 64, 4
+    psi = spec.n_params()
+    ring = (n - 1) / n
+    for zero, want in ((0, 2 * ring * 2 * psi), (1, ring * 2 * psi + ring * 2 * psi)):
+        p = plan(spec, H100, PlanLayout(dp=n, zero=zero), n * m, 4096, "megatron-core-2024")
+        assert p.sent["data"] == pytest.approx(want, rel=1e-9)
+    p = plan(spec, H100, PlanLayout(dp=n, zero=3, micro_batch=1), n * m, 4096, "pytorch-fsdp1")
+    layers = spec.n_layer
+    assert p.sent["data"] == pytest.approx(m * ring * 2 * psi * (1 + (2 * layers - 1) / layers),
+                                           rel=1e-9)
+
+
+def test_the_optimizer_is_adams_bytes_over_the_memory_bandwidth():
+    """Adam over a rank's shard: fp32 master weights, two moments (24 bytes read and written),
+    the gradient read twice and zeroed (3 x 2), the 16-bit weights written (2): 32 bytes a
+    parameter at 85 % of 3.35 TB/s, plus its launches."""
+    lay = PlanLayout(dp=16, zero=1)
+    p = plan(LLAMA8, H100, lay, 16, 4096)
+    psi = LLAMA8.n_params() / 16
+    assert p.time["optimizer"] == pytest.approx(psi * 32 / (3.35e12 * 0.85) + 10 * 3e-6, rel=1e-9)
+
+
+def test_the_step_is_the_sum_of_every_part_and_none_is_left_out():
+    """A pipelined, recomputed, ZeRO-3 layout on two nodes makes every part: compute,
+    recomputation, each dimension's exposed communication, the interference of what hides,
+    the optimizer and the bubble; the total is their sum."""
+    lay = PlanLayout(dp=2, tp=8, pp=2, cp=2, zero=3, sequence_parallel=True, recompute="full",
+                     micro_batch=1)
+    waits = dataclasses.replace(stacks.preset("torchtitan-fsdp2"), cp=0.0)  # cp's passes show
+    p = plan(LLAMA70, H100, lay, 16, 8192, waits)
+    for part in ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "data_comm",
+                 "interference", "optimizer", "bubble"):
+        assert p.time[part] > 0, part
+    assert p.time["total"] == pytest.approx(math.fsum(v for k, v in p.time.items() if k != "total"))
+    assert p.tokens_per_s == pytest.approx(16 * 8192 / p.time["total"])
+
+
+def test_the_bubble_is_the_schedules_idle_share_when_nothing_else_costs():
+    fast = dataclasses.replace(H100, intra=dataclasses.replace(H100.intra, beta=1e-30, alpha=0.0),
+                               inter=dataclasses.replace(H100.inter, beta=1e-30, alpha=0.0), hbm=1e30)
     lay = PlanLayout(tp=8, pp=4, sequence_parallel=True)
-    p = plan(LLAMA70, fast, lay, 16, 4096)  # 16 micro-batches
-    assert p.time["bubble"] / p.step_s == pytest.approx(3 / (16 + 3), rel=1e-3)
+    p = plan(LLAMA70, fast, lay, 16, 4096, knobs=Knobs(sustained=1.0, interference=0.0))
+    idle = p.time["bubble"] / (p.time["total"] - p.time["optimizer"] - p.time["pp_comm"])
+    assert idle == pytest.approx(3 / (16 + 3), rel=1e-3)
 
 
 def test_recomputation_trades_time_for_memory():
@@ -128,43 +311,28 @@ def test_recomputation_trades_time_for_memory():
     assert runs["none"].hfu == runs["none"].mfu
 
 
-def test_selective_recomputation_runs_a_math_cores_softmax_and_dropout_again():
-    # the scores' element-wise work is what a math core adds to the forward, and what selective
-    # recomputation (Korthikanti et al. 2022, sec. 5) runs again in backward
-    gpt = models.preset("gpt3-175b")
-    lay = PlanLayout(tp=8, pp=8, sequence_parallel=True, recompute="selective")
-    runs = {a: plan(gpt, clusters.preset("a100-80gb"), dataclasses.replace(lay, attention=a), 64, 2048)
-            for a in ("flash", "math")}
-    added = runs["math"].time["compute"] - runs["flash"].time["compute"]
-    assert added > 0
-    # compute is forward + backward (3 forwards' worth of element-wise work); recompute one more
-    recomputed = runs["math"].time["recompute"] - runs["flash"].time["recompute"]
-    assert recomputed == pytest.approx(added / 3, rel=1e-9)
+def test_a_stack_that_waits_shows_its_gradient_reduction_whole():
+    """Megatron-LM 2021's local DDP all-reduced its flat buffer after the pipeline's backward:
+    the whole ring shows; Megatron-Core's buckets hide behind the last backward."""
+    lay = PlanLayout(dp=32, tp=8)
+    late = plan(LLAMA70, H100, lay, 256, 4096, "megatron-lm-2021")
+    early = plan(LLAMA70, H100, lay, 256, 4096, "megatron-core-2024")
+    psi = sum(rank_params(LLAMA70, lay, 0))
+    whole = collectives.collective_time(H100, "all_reduce", 2 * psi, 32, 8)
+    assert late.time["data_comm"] == pytest.approx(whole, rel=1e-9)
+    assert 0 < early.time["data_comm"] < late.time["data_comm"]
 
 
-def test_a_reduction_after_backward_shows_whole():
-    lay = PlanLayout(dp=32, tp=8, recompute="full")
-    overlapped = plan(LLAMA70, H100, lay, 256, 4096)
-    after = plan(LLAMA70, H100, dataclasses.replace(lay, grad_overlap=False), 256, 4096)
-    # overlapped, the last micro-batch's backward hides part of it
-    assert 0 < overlapped.time["data_comm"] < after.time["data_comm"]
-    # unhidden: the ring's bytes over the inter-node link, plus its 2 (n-1) steps of latency
-    link = H100.inter
-    assert after.time["data_comm"] == pytest.approx(
-        overlapped.sent["data"] / link.bandwidth + 2 * 31 * link.alpha, rel=1e-6)
-
-
-def test_without_grad_overlap_only_the_reduction_shows_and_zero3_gathers_still_hide():
-    lay = PlanLayout(dp=32, tp=8, zero=3, recompute="full")
-    overlapped = plan(LLAMA70, H100, lay, 256, 4096)
-    after = plan(LLAMA70, H100, dataclasses.replace(lay, grad_overlap=False), 256, 4096)
-    # every micro-batch's reduce-scatter now shows whole; the gathers are charged as before
-    m, psi = 8, sum(rank_params(LLAMA70, lay, 0))
-    reduce = 31 / 32 * 2 * psi / H100.inter.bandwidth + 31 * H100.inter.alpha
-    overlapped_reduce = m * max(0.0, reduce - overlapped.time["compute"] / m * 2 / 3
-                                - overlapped.time["recompute"] / m)
-    assert after.time["data_comm"] - overlapped.time["data_comm"] == pytest.approx(
-        m * reduce - overlapped_reduce, rel=1e-6)
+def test_context_parallelism_and_zero_stages_cost_what_they_add():
+    """Distinct layouts do not tie: ZeRO-2 reduce-scatters every micro-batch where ZeRO-1 does
+    once; cp's smaller attention blocks and K/V passes cost something."""
+    common = dict(micro_batch=1)
+    z1 = plan(LLAMA8, H100, PlanLayout(dp=64, zero=1, **common), 1024, 8192)
+    z2 = plan(LLAMA8, H100, PlanLayout(dp=64, zero=2, **common), 1024, 8192)
+    cp = plan(LLAMA8, H100, PlanLayout(dp=32, cp=2, zero=1, micro_batch=2), 1024, 8192)
+    assert z2.step_s > z1.step_s
+    assert cp.step_s > z1.step_s
+    assert cp.time["compute"] > z1.time["compute"]  # the ring's blocks of s / cp keys
 
 
 def test_bad_layouts_are_refused_with_what_to_change():
@@ -174,13 +342,15 @@ def test_bad_layouts_are_refused_with_what_to_change():
         plan(LLAMA70, H100, PlanLayout(dp=16), 24, 4096)
     with pytest.raises(PlanError, match="splits the experts of a mixture of experts"):
         plan(LLAMA70, H100, PlanLayout(dp=2, ep=2), 8, 4096)
+    with pytest.raises(PlanError, match="zero_group=3 must be 0"):
+        plan(LLAMA70, H100, PlanLayout(dp=8, zero=3, zero_group=3), 8, 4096)
 
 
 def test_search_covers_the_space_ranks_what_fits_and_its_front_is_undominated():
     spec = models.preset("llama3-8b")
-    preds = search(spec, H100, 64, 256, 4096)
-    assert len(preds) == len(layouts(spec, 64, 256, 4096)) > 500
-    assert all(p.layout.world == 64 for p in preds)
+    preds = search(spec, H100, 16, 64, 4096)
+    assert len(preds) == len(layouts(spec, 16, 64, 4096)) > 200
+    assert all(p.layout.world == 16 for p in preds)
     fit = [p for p in preds if p.fits]
     assert [p.step_s for p in fit] == sorted(p.step_s for p in fit)
     assert preds[:len(fit)] == fit
@@ -191,42 +361,10 @@ def test_search_covers_the_space_ranks_what_fits_and_its_front_is_undominated():
         assert not any(p.memory["total"] < q.memory["total"] and p.step_s < q.step_s for p in fit)
 
 
-def test_70b_on_1024_h100s_ranks_a_layout_a_practitioner_recognises():
-    """TP inside a node, the model cut over pipeline stages or ZeRO across nodes."""
-    preds = search(LLAMA70, H100, 1024, 1024, 8192)
-    top = preds[0].layout
-    assert preds[0].fits and 1 < top.tp <= H100.gpus_per_node
-    assert top.pp > 1 or top.zero >= 1
-    assert 0.3 < preds[0].mfu < 0.7
-
-
-def test_cli_ranks_and_refuses_bad_input(capsys):
-    from dlab.cli.main import main
-    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--batch", "64", "--seq", "2048",
-                 "--top", "3"]) == 0
-    out = capsys.readouterr().out
-    assert "layouts in" in out and "MFU" in out
-    assert main(["plan", "--model", "gpt5"]) == 2
-    assert "unknown model preset 'gpt5'" in capsys.readouterr().err
-    assert main(["plan", "--layout", "tp=8,pq=2"]) == 2
-    assert "key one of" in capsys.readouterr().err
-    assert main(["plan", "--layout", "tp=8,pp=4", "--gpus", "48"]) == 2
-    assert "does not divide --gpus 48" in capsys.readouterr().err
-    assert main(["plan", "--layout", "tp=8,grad_overlap=maybe"]) == 2
-    assert "write grad_overlap=1 or grad_overlap=0" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-8b", "--layout",
-                 "tp=8,grad_overlap=off,sequence_parallel=on"]) == 0
-    out = capsys.readouterr().out
-    assert "tp8 sp" in out and "not overlapped with backward" in out
-
-
-def test_cli_prints_the_published_rows_beside_their_predictions(capsys, tmp_path):
-    from dlab.cli.main import main
-    from dlab.plan import published
-    out_file = tmp_path / "published.json"
-    assert main(["plan", "--published", "--json", str(out_file)]) == 0
-    out = capsys.readouterr().out
-    rows = published.check()
-    assert f"mean absolute error: {published.mean_abs_error(rows):.1%} over {len(rows)}" in out
-    assert all(r["model"] in out for r in rows)
-    assert len(json.loads(out_file.read_text())) == len(rows)
+def test_8b_on_64_h100s_ranks_distinct_layouts_apart_at_a_published_mfu():
+    """Issue 36: the top of ``plan --model llama3-8b --gpus 64`` no longer ties distinct layouts
+    and its MFU is what such runs publish (Megatron-LM's README: 41-49 % on H100s), not 70 %."""
+    preds = [p for p in search(LLAMA8, H100, 64, 1024, 8192) if p.fits][:15]
+    steps = [round(p.step_s, 3) for p in preds]
+    assert len(set(steps)) == len(steps)
+    assert 0.40 < preds[0].mfu < 0.60

@@ -30,7 +30,7 @@ CPU = clusters.Cluster("test CPU", 5e10, 24e9, 10e9, 1 << 20, AlphaBeta.link(1e9
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_zigzag_gives_every_rank_2n_plus_1_tiles_a_layer(n):
-    """``time.stage_compute`` charges ring attention by the tile: 2 cp + 1 per rank and layer
+    """``cpu.stage_compute`` charges ring attention by the tile: 2 cp + 1 per rank and layer
     under the zigzag layout (its two chunks against every chunk at or before them). Counted here
     from the attention code's own tiling."""
     positions = [cp_layout.positions("zigzag", MODEL["seq_len"], r, n) for r in range(n)]

@@ -1,5 +1,6 @@
-"""The planner against what it can be checked against: published runs at scale (each row's own
-metric and FLOPs convention) and a run on this machine (memory and bytes to the byte)."""
+"""The planner against what it can be checked against: published runs at scale, scored
+leave-one-source-out in each source's own metric, and a run on this machine (memory and bytes
+to the byte, against counts made here from the model itself)."""
 from __future__ import annotations
 
 import pytest
@@ -7,40 +8,176 @@ import pytest
 import dlab
 from dlab.bench.nd import BATCH, MODEL
 from dlab.bench.plan import plan_layout, predict
+from dlab.models.gpt import GPT, GPTConfig
 from dlab.plan import clusters, published
+from dlab.theory.plan import predict as predict_module
+from dlab.theory.plan.rows import ROWS
 
 
-def test_published_rows_come_from_three_sources_and_are_predicted_within_15_percent():
-    results = published.check()
-    assert len(results) >= 10
-    assert len({r["source"] for r in results}) >= 3
-    assert all("table" in r["source"] for r in results)
-    assert published.mean_abs_error(results) <= 0.15
-    assert max(abs(r["throughput_error"]) for r in results) < 0.5
+@pytest.fixture(scope="module")
+def results():
+    return published.check()
+
+
+def test_the_rows_come_from_six_sources_and_cover_what_issue_36_asks():
+    """At least 40 rows from 6 sources, each citing its table or page and date: Megatron-style
+    3D, ZeRO-3/FSDP at 128 GPUs or more, PyTorch-native FSDP, two GPU generations, context
+    parallelism."""
+    assert len(ROWS) >= 40
+    sources = {r.source for r in ROWS}
+    assert len(sources) >= 6
+    assert all(("table" in s.cite or ".md" in s.cite or "README" in s.cite) and "20" in s.cite
+               for s in sources)
+    assert any(r.layout.tp > 1 and r.layout.pp > 1 and r.layout.dp > 1 for r in ROWS)
+    assert any(r.layout.zero == 3 and r.gpus >= 128 for r in ROWS)
+    assert any(r.stack.startswith("torchtitan") for r in ROWS)
+    assert {r.generation for r in ROWS} == {"A100", "H100"}
+    assert any(r.layout.cp > 1 for r in ROWS)
+
+
+def test_every_source_is_predicted_within_15_percent_out_of_sample(results):
+    """Each source scored with the sustained shares fitted on the other sources' rows only:
+    mean absolute throughput error at most 15 % per source, 10 % over all rows; the signed mean
+    within 5 % of zero; at least 80 % of the published figures inside their ranges."""
+    for key, s in published.by_source(results).items():
+        assert s["mean_abs"] <= 0.15, (key, s)
+    assert published.mean_abs_error(results) <= 0.10
+    assert abs(published.signed_mean_error(results)) <= 0.05
+    assert sum(r["inside"] for r in results) >= 0.8 * len(results)
+
+
+#: each row's throughput error when this model was set down: a change that moves any by more
+#: than 2 points (a term dropped from the step, a dimension's traffic miscounted) must be
+#: deliberate and its table re-recorded
+BANDS = {
+    ('narayanan2021', 'GPT 1.7B', 32, 'dp32 mb1 full', 'megatron-lm-2021'): -0.066,
+    ('narayanan2021', 'GPT 3.6B', 64, 'dp32 x tp2 mb1 full', 'megatron-lm-2021'): -0.032,
+    ('narayanan2021', 'GPT 7.5B', 128, 'dp32 x tp4 mb1 full', 'megatron-lm-2021'): -0.127,
+    ('narayanan2021', 'GPT 18.4B', 256, 'dp32 x tp8 mb1 full', 'megatron-lm-2021'): -0.109,
+    ('narayanan2021', 'GPT 39.1B', 512,
+     'pp2 x dp32 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.025,
+    ('narayanan2021', 'GPT 76.1B', 1024,
+     'pp4 x dp32 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): +0.045,
+    ('narayanan2021', 'GPT 145.6B', 1536,
+     'pp8 x dp24 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.001,
+    ('narayanan2021', 'GPT 310.1B', 1920,
+     'pp16 x dp15 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): +0.004,
+    ('narayanan2021', 'GPT 529.6B', 2520,
+     'pp35 x dp9 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.032,
+    ('narayanan2021', 'GPT 1008.0B', 3072,
+     'pp64 x dp6 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.029,
+    ('korthikanti2022', 'GPT 22B', 8, 'tp8 mb4 full', 'megatron-lm-2021'): -0.029,
+    ('korthikanti2022', 'GPT 22B', 8, 'tp8 sp mb4 selective', 'megatron-lm-2021'): +0.024,
+    ('korthikanti2022', 'GPT-3 175B', 64, 'pp8 x tp8 1f1b mb1 full', 'megatron-lm-2021'): -0.114,
+    ('korthikanti2022', 'GPT-3 175B', 64, 'pp8 x tp8 sp 1f1b mb1 selective', 'megatron-lm-2021'): -0.074,
+    ('korthikanti2022', 'MT-NLG 530B', 280, 'pp35 x tp8 1f1b mb1 full', 'megatron-lm-2021'): -0.133,
+    ('korthikanti2022', 'MT-NLG 530B', 280, 'pp35 x tp8 sp 1f1b mb1 selective', 'megatron-lm-2021'): -0.078,
+    ('korthikanti2022', 'GPT 1T', 512, 'pp64 x tp8 1f1b mb1 full', 'megatron-lm-2021'): -0.114,
+    ('korthikanti2022', 'GPT 1T', 512, 'pp64 x tp8 sp 1f1b mb1 selective', 'megatron-lm-2021'): -0.071,
+    ('llama3', 'Llama 3 405B', 8192, 'pp16 x dp64 x tp8 zero2 sp interleaved v4 mb1', 'llama3-meta'): -0.106,
+    ('llama3', 'Llama 3 405B', 16384,
+     'pp16 x dp128 x tp8 zero2 sp interleaved v4 mb1', 'llama3-meta'): -0.128,
+    ('llama3', 'Llama 3 405B', 16384,
+     'pp16 x dp8 x cp16 x tp8 zero2 sp interleaved v4 mb1', 'llama3-meta'): -0.173,
+    ('megatron-core', 'GPT 1.7B', 48, 'dp48 zero1 mb1', 'megatron-core-2024'): +0.151,
+    ('megatron-core', 'GPT 7.1B', 96, 'dp48 x tp2 zero1 sp mb1', 'megatron-core-2024'): +0.070,
+    ('megatron-core', 'GPT 16B', 192, 'dp48 x tp4 zero1 sp mb1', 'megatron-core-2024'): -0.087,
+    ('megatron-core', 'GPT 32B', 384, 'dp48 x tp8 zero1 sp mb1', 'megatron-core-2024'): -0.252,
+    ('megatron-core', 'GPT 70B', 768,
+     'pp2 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.058,
+    ('megatron-core', 'GPT 119B', 1536,
+     'pp4 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.033,
+    ('megatron-core', 'GPT 177B', 2304,
+     'pp6 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.025,
+    ('megatron-core', 'GPT 314B', 3072,
+     'pp8 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.071,
+    ('megatron-core', 'GPT 462B', 6144,
+     'pp16 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.051,
+    ('megatron-core', 'GPT 177B', 96,
+     'pp6 x dp2 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): +0.062,
+    ('megatron-core', 'GPT 177B', 4608,
+     'pp6 x dp96 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.118,
+    ('torchtitan', 'Llama 3 8B', 64, 'dp64 zero3 mb1 full/2', 'torchtitan-fsdp2'): +0.074,
+    ('torchtitan', 'Llama 3 8B', 64, 'dp64 zero3 mb1 selective', 'torchtitan-fsdp2'): +0.079,
+    ('torchtitan', 'Llama 3 70B', 64, 'dp64 zero3 mb1 full', 'torchtitan-fsdp2'): +0.074,
+    ('torchtitan', 'Llama 2 13B', 64, 'dp64 zero3 mb2', 'torchtitan-fsdp2'): +0.107,
+    ('torchtitan', 'Llama 2 13B', 64, 'dp64 zero3 mb2 full/2', 'torchtitan-fsdp2'): +0.082,
+    ('torchtitan', 'Llama 2 13B', 64, 'dp64 zero3 mb2 selective', 'torchtitan-fsdp2'): +0.123,
+    ('torchtitan', 'Llama 2 70B', 64, 'dp64 zero3 mb1 selective', 'torchtitan-fsdp2'): +0.150,
+    ('torchtitan', 'Llama 2 70B', 64, 'dp64 zero3 mb2 full', 'torchtitan-fsdp2'): +0.067,
+    ('torchtitan', 'Llama 3 8B', 8, 'dp8 zero3 mb2 selective', 'torchtitan-fsdp2'): -0.023,
+    ('torchtitan', 'Llama 3 8B', 8, 'dp8 zero3 mb2 selective', 'torchtitan-fsdp2-compile'): -0.007,
+    ('torchtitan', 'Llama 3 8B', 128, 'dp128 zero3 mb2 selective', 'torchtitan-fsdp2'): +0.007,
+    ('torchtitan', 'Llama 3 8B', 128, 'dp128 zero3 mb2 selective', 'torchtitan-fsdp2-compile'): +0.019,
+    ('llm-foundry', 'MPT 70b', 512, 'dp512 zero3 mb8 full', 'pytorch-fsdp1'): +0.030,
+    ('llm-foundry', 'MPT 70b', 256, 'dp256 zero3 mb8 full', 'pytorch-fsdp1'): +0.004,
+    ('llm-foundry', 'MPT 70b', 128, 'dp128 zero3 mb8 full', 'pytorch-fsdp1'): -0.017,
+    ('llm-foundry', 'MPT 30b', 512, 'dp512 zero3 mb8 full', 'pytorch-fsdp1'): +0.045,
+    ('llm-foundry', 'MPT 30b', 256, 'dp256 zero3 mb8 full', 'pytorch-fsdp1'): +0.032,
+    ('llm-foundry', 'MPT 30b', 128, 'dp128 zero3 mb8 full', 'pytorch-fsdp1'): +0.009,
+    ('llm-foundry', 'MPT 13b', 512, 'dp512 zero3 mb16 full', 'pytorch-fsdp1'): -0.004,
+    ('llm-foundry', 'MPT 13b', 256, 'dp256 zero3 mb16 full', 'pytorch-fsdp1'): -0.009,
+    ('llm-foundry', 'MPT 13b', 128, 'dp128 zero3 mb16 full', 'pytorch-fsdp1'): -0.025,
+    ('llm-foundry', 'MPT 7b', 512, 'dp512 zero3 mb6', 'pytorch-fsdp1'): +0.194,
+    ('llm-foundry', 'MPT 7b', 256, 'dp256 zero3 mb6', 'pytorch-fsdp1'): +0.157,
+    ('llm-foundry', 'MPT 7b', 128, 'dp128 zero3 mb6', 'pytorch-fsdp1'): +0.125,
+    ('llm-foundry', 'MPT 3b', 512, 'dp512 zero2 mb8', 'pytorch-fsdp1'): +0.154,
+    ('llm-foundry', 'MPT 3b', 256, 'dp256 zero2 mb8', 'pytorch-fsdp1'): +0.116,
+    ('llm-foundry', 'MPT 3b', 128, 'dp128 zero2 mb8', 'pytorch-fsdp1'): +0.093,
+    ('llm-foundry', 'MPT 1b', 512, 'dp512 zero2 mb12', 'pytorch-fsdp1'): +0.208,
+    ('llm-foundry', 'MPT 1b', 256, 'dp256 zero2 mb12', 'pytorch-fsdp1'): +0.150,
+    ('llm-foundry', 'MPT 1b', 128, 'dp128 zero2 mb12', 'pytorch-fsdp1'): +0.118,
+}
+
+
+def test_each_row_stays_in_its_band(results):
+    got = {(r["key"], r["model"], r["gpus"], r["layout"], r["stack"]): r["throughput_error"]
+           for r in results}
+    assert set(got) == set(BANDS)
+    moved = {k: (round(got[k], 3), v) for k, v in BANDS.items() if abs(got[k] - v) > 0.02}
+    assert not moved, moved
+
+
+def test_the_sustained_shares_are_what_the_rows_choose():
+    """The one constant chosen by looking at rows is fitted, not typed: ``SUSTAINED`` is what
+    ``published.fit`` finds over every source, and its spread what ``published.spread`` finds."""
+    table = published.steps(ROWS, published.GRID)
+    assert published.fit(ROWS, table) == pytest.approx(predict_module.SUSTAINED, abs=0.002)
+    assert published.spread(ROWS, table) == pytest.approx(predict_module.SUSTAINED_SPREAD, abs=0.011)
 
 
 def test_each_row_predicts_the_papers_own_metric():
-    row = next(r for r in published.ROWS if r.metric == "tflops_per_gpu" and r.convention == "megatron")
+    row = next(r for r in ROWS if r.metric == "tflops_per_gpu" and r.convention == "megatron")
     m, b, s = row.model, row.global_batch, row.seq_len
     # Narayanan et al. eq. 3, written out: 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per iteration
     h, layers = m.d_model, m.n_layer
     flops = 96 * b * s * layers * h * h * (1 + s / (6 * h) + m.vocab / (16 * layers * h))
     assert row.predicted(10.0) == pytest.approx(flops / 10.0 / row.gpus / 1e12)
-    timed = next(r for r in published.ROWS if r.metric == "iteration_s")
+    timed = next(r for r in ROWS if r.metric == "iteration_s")
     assert timed.predicted(12.5) == 12.5
+    tokens = next(r for r in ROWS if r.metric == "tokens_per_s_per_gpu")
+    assert tokens.predicted(2.0) == tokens.global_batch * tokens.seq_len / 2.0 / tokens.gpus
 
 
 def test_korthikanti_iteration_times_agree_with_the_mfu_they_report():
     """A typo guard from an independent figure: the paper's (and Megatron-LM's README's) MFU of
     each present-work run, from its model FLOPs 72 B s l h^2 (1 + s/6h + V/12lh), its time and
     N x 312 TFLOP/s."""
-    rows = [r for r in published.ROWS if "mfu" in r.extra]
+    rows = [r for r in ROWS if "mfu" in r.extra]
     assert len(rows) == 4
     for r in rows:
         m, b, s = r.model, r.global_batch, r.seq_len
         h, layers = m.d_model, m.n_layer
         flops = 72 * b * s * layers * h * h * (1 + s / (6 * h) + m.vocab / (12 * layers * h))
         assert flops / (r.value * r.gpus * 312e12) == pytest.approx(r.extra["mfu"], abs=0.002), m.name
+
+
+def test_megatron_core_rows_are_the_sizes_its_table_prints():
+    """A typo guard: the model table's sizes from its heads, width and layers (GeLU, f = 4h,
+    vocabulary 131072, untied), and its MFU column from its TFLOP/s over 989."""
+    for row, size in zip([r for r in ROWS if r.source.key == "megatron-core"][:9],
+                         (1.7, 7.1, 16, 32, 70, 119, 177, 314, 462)):
+        assert row.model.n_params() / 1e9 == pytest.approx(size, rel=0.03), row.model.name
 
 
 def test_a_run_here_holds_what_the_plan_says_to_the_byte(tmp_path):
@@ -58,6 +195,28 @@ def test_a_run_here_holds_what_the_plan_says_to_the_byte(tmp_path):
     assert pred["act_plan_MB"] * 1e6 == pytest.approx(act, rel=0.02)
 
 
+def test_data_parallel_state_and_bytes_equal_a_count_of_the_models_own_parameters(tmp_path):
+    """Derived apart from ``dlab.theory``: two replicas of the lab GPT each hold its Psi
+    parameters in fp32 (4 bytes), their gradients (4) and Adam's two moments (8, plus a 4-byte
+    step counter per tensor), and each sends 2 (n-1)/n x 4 Psi = 4 Psi bytes a step (a ring
+    all-reduce of the gradients); the planner says the same."""
+    model = GPT(GPTConfig(**MODEL))
+    psi = sum(p.numel() for p in model.parameters())
+    tensors = sum(1 for _ in model.parameters())
+    options = {"dp": 2}
+    run = dlab.launch("nd", 2, runs_dir=tmp_path, wait=True, model_options=MODEL, options=options,
+                      batch_size=BATCH, steps=2)
+    last = [run.metrics(r)[-1] for r in range(2)]
+    pred = predict(options, clusters.this_machine(peak=1e10, ranks=2))
+    for m in last:
+        assert m["memory"]["parameters"] == 4 * psi
+        assert m["memory"]["gradients"] == 4 * psi
+        assert m["memory"]["optimizer"] == 8 * psi + 4 * tensors
+        assert m["comm"]["sent_bytes"] == 4 * psi
+    assert pred["state_plan_MB"] * 1e6 == pytest.approx(16 * psi + 4 * tensors, abs=1)
+    assert pred["sent_plan_MB"] * 1e6 == pytest.approx(4 * psi, abs=1)
+
+
 SLOW = pytest.mark.slow
 LAYOUTS = [pytest.param({"cp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}, id="cp2-tp2-sp-zero1"),
            pytest.param({"pp": 2, "tp": 2, "sequence_parallel": True}, id="pp2-tp2-sp", marks=SLOW),
@@ -69,9 +228,9 @@ LAYOUTS = [pytest.param({"cp": 2, "tp": 2, "sequence_parallel": True, "zero": 1}
 def test_the_plan_counts_the_collectives_a_run_makes(options, tmp_path):
     """On the CPU with more ranks than cores every blocking collective is charged its measured
     cost, so the count per dimension must be the run's: each rank's calls per step, as its comm
-    meter booked them, against ``collective_calls`` for its pipeline stage."""
-    from dlab.models.gpt import GPTConfig
-    from dlab.theory.plan import time as tm
+    meter booked them, against ``collective_calls`` for its pipeline stage. (The slow cases
+    take the same code path as cp2-tp2-sp-zero1 and pp2-dp2-zero1.)"""
+    from dlab.theory.plan import cpu as tm
     from dlab.theory.plan.spec import from_gpt
     lay = plan_layout(options)
     run = dlab.launch("nd", 4, runs_dir=tmp_path, wait=True, model_options=MODEL, options=options,

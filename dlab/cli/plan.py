@@ -1,29 +1,46 @@
-"""``python -m dlab plan``: one layout's breakdown, or every layout ranked.
+"""``python -m dlab plan``: one layout's breakdown, or every layout ranked; the published rows;
+a calibration of this machine.
 
     python -m dlab plan --model llama3-70b --cluster h100-sxm --gpus 1024 --seq 8192 --batch 1024
-    python -m dlab plan --model llama3-70b --gpus 1024 \
+    python -m dlab plan --model llama3-70b --gpus 1024 --stack torchtitan-fsdp2 \
         --layout tp=8,pp=8,zero=1,virtual_stages=5,schedule=interleaved
+    python -m dlab plan --model config.json --cluster profile.json --gpus 8 --layout zero=3
     python -m dlab plan --published     # the published configurations beside their predictions
+    python -m dlab plan calibrate --out profile.json   # measure this machine (CPU or GPU)
+
+Every number it is given is checked before any work (``check_arguments``): a batch, a
+sequence, a GPU count, a degree or a row count below 1 is refused with what to change.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
+from pathlib import Path
 
 from dlab.core.config import ConfigError
-from dlab.theory.plan import clusters, models, published
+from dlab.theory.plan import clusters, models, published, stacks
 from dlab.theory.plan.layout import PlanLayout
 from dlab.theory.plan.predict import PlanError, plan
+from dlab.theory.plan.ranges import step_range
 from dlab.theory.plan.search import pareto, search
+from dlab.tools import device_profile
 
 GB = 1e9
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="llama3-70b", help=f"a preset: {', '.join(models.PRESETS)}")
+    p.add_argument("action", nargs="?", choices=("calibrate",),
+                   help="calibrate: measure this machine's kernels and collectives into a cluster "
+                        "profile (--out) that --cluster reads")
+    p.add_argument("--model", default="llama3-70b",
+                   help=f"a preset ({', '.join(models.PRESETS)}) or a Hugging Face style config.json")
     p.add_argument("--cluster", default="h100-sxm",
-                   help=f"a preset: {', '.join([*clusters.PRESETS, 'this-machine'])}")
+                   help=f"a preset ({', '.join([*clusters.PRESETS, 'this-machine'])}) or a cluster "
+                        f"profile (JSON) written by python -m dlab plan calibrate")
+    p.add_argument("--stack", default=stacks.DEFAULT,
+                   help=f"the software stack: {', '.join(stacks.PRESETS)}")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to lay out (default: the layout's product)")
     p.add_argument("--seq", type=int, default=8192, help="sequence length")
     p.add_argument("--batch", type=int, default=1024, help="global batch in sequences")
@@ -32,13 +49,20 @@ def add_arguments(p) -> None:
                                     "its breakdown instead of the ranked table")
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument("--pareto", action="store_true", help="print the memory/time Pareto front too")
-    p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--json", help="write the rows (or the profile's fields) to this file")
     p.add_argument("--published", action="store_true",
                    help="instead: every published configuration (dlab.plan.published) beside its "
-                        "prediction, and the mean absolute error")
+                        "prediction, scored leave-one-source-out")
+    p.add_argument("--out", default="cluster-profile.json",
+                   help="calibrate: where to write the cluster profile")
+    p.add_argument("--quick", action="store_true", help="calibrate: fewer shapes and repeats")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="calibrate: ranks to time the collectives over (1: none)")
 
 
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+#: the layout fields that are degrees or counts: each a whole number >= 1
+COUNTS = ("dp", "pp", "tp", "cp", "ep", "micro_batch", "virtual_stages", "recompute_every", "ulysses")
 
 
 def parse_layout(text: str) -> PlanLayout:
@@ -60,12 +84,34 @@ def parse_layout(text: str) -> PlanLayout:
             values[key] = int(val) if kind in ("int", int) else val
         except ValueError:
             raise ConfigError(f"--layout {key}={val!r}: {key} takes a whole number") from None
+        if key in COUNTS and values[key] < 1:
+            raise ConfigError(f"--layout {key}={values[key]}: {key} is a degree or a count; give a "
+                              f"whole number >= 1 ({key}=1 leaves that dimension out)")
+        if key in ("zero", "zero_group") and values[key] < 0:
+            raise ConfigError(f"--layout {key}={values[key]}: give 0 or more")
     return PlanLayout(**values)
+
+
+def check_arguments(args) -> None:
+    """Refuse nonsense before any work: what is a count must be one."""
+    for flag, value in (("--seq", args.seq), ("--batch", args.batch), ("--top", args.top),
+                        ("--ranks", args.ranks)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: give a whole number >= 1")
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: give the number of GPUs, a whole number >= 1")
+    if args.stack not in stacks.PRESETS:
+        raise ConfigError(f"--stack {args.stack!r}: choose one of {', '.join(stacks.PRESETS)}")
+    if args.action == "calibrate":
+        folder = Path(args.out).resolve().parent
+        if Path(args.out).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--out {args.out}: give a file in a folder that exists and can be "
+                              f"written, e.g. --out profile.json")
 
 
 def _presets(args):
     try:
-        return models.preset(args.model), clusters.preset(args.cluster)
+        return models.preset(args.model), clusters.preset(args.cluster), stacks.preset(args.stack)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -78,11 +124,19 @@ def _line(p) -> str:
             f"{t['bubble'] + t.get('idle_cores', 0.0):7.2f}")
 
 
+def _ranged(p) -> str:
+    low, high = step_range(p)
+    return f"{_line(p)}   {low:6.2f}-{high:<6.2f}"
+
+
 HEADER = (f"{'layout':<52} {'step s':>8} {'MFU':>6} {'mem GB':>7} {'fits':>4} "
-          f"{'compute':>8} {'comm':>7} {'idle':>7}")
+          f"{'compute':>8} {'comm':>7} {'idle':>7}   {'step range s':>13}")
 
 
 def run(args) -> int:
+    check_arguments(args)
+    if args.action == "calibrate":
+        return _calibrate(args)
     if args.published:
         results = published.check()
         print(published.table(results))
@@ -95,8 +149,19 @@ def run(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    measured = device_profile.profile(args.out, quick=args.quick, ranks=args.ranks)
+    print(device_profile.describe(measured))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(measured, f, indent=1)
+    print(f"wrote {args.out}: python -m dlab plan --cluster {args.out} --model ... reads it")
+    return 0
+
+
 def _plan(args) -> list[dict]:
-    spec, cluster = _presets(args)
+    spec, cluster, stack = _presets(args)
+    print(f"stack {stack.describe()}")
     if args.layout:
         lay = parse_layout(args.layout)
         if args.gpus and "dp=" not in args.layout:  # dp takes what the others leave
@@ -108,23 +173,26 @@ def _plan(args) -> list[dict]:
             raise ConfigError(f"the layout takes {lay.world} GPUs, not --gpus {args.gpus}; leave dp "
                               f"out to let it take the rest")
         try:
-            p = plan(spec, cluster, lay, args.batch, args.seq)
+            p = plan(spec, cluster, lay, args.batch, args.seq, stack)
         except PlanError as e:
             raise ConfigError(str(e)) from None
+        low, high = step_range(p)
         print(f"{spec.name} on {lay.world} x {cluster.name}, batch {args.batch} x {args.seq} tokens")
-        print(f"layout {lay.describe()}: {p.step_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, "
-              f"MFU {p.mfu:.1%}, HFU {p.hfu:.1%}")
+        print(f"layout {lay.describe()}: {p.step_s:.3f} s/step (range {low:.3f}-{high:.3f}), "
+              f"{p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} ({p.mfu * p.step_s / high:.1%}-"
+              f"{p.mfu * p.step_s / low:.1%}), HFU {p.hfu:.1%}")
         print("memory per GPU: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in p.memory.items()
                                              if k != "pp_rank")
               + f" ({'fits' if p.fits else 'does not fit'} in {p.capacity / GB:.0f} GB)")
         print("time per step:  " + ", ".join(f"{k} {v:.3f} s" for k, v in p.time.items()))
+        print("sent per step:  " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in p.sent.items()))
         print("assumed: " + "; ".join(p.assumptions))
-        rows = [p.row()]
+        rows = [{**p.row(), "step_low_s": low, "step_high_s": high}]
     else:
-        if not args.gpus or args.gpus < 1:
+        if not args.gpus:
             raise ConfigError("--gpus N is needed to search (or give one --layout)")
         start = time.perf_counter()
-        preds = search(spec, cluster, args.gpus, args.batch, args.seq)
+        preds = search(spec, cluster, args.gpus, args.batch, args.seq, stack=stack)
         took = time.perf_counter() - start
         if not preds:
             raise ConfigError(f"no layout of {spec.name} takes {args.gpus} GPUs at batch {args.batch}; "
@@ -134,7 +202,7 @@ def _plan(args) -> list[dict]:
               f"{len(preds)} layouts in {took:.2f} s, {len(fit)} fit")
         print(HEADER)
         for p in preds[:args.top]:
-            print(_line(p))
+            print(_ranged(p))
         if args.pareto:
             print("\nPareto front (memory against time, among those that fit):")
             for p in pareto(fit):

@@ -19,7 +19,7 @@ Three measurements, none of them a run the planner is then checked against:
   costs a rank (``Cluster.calls``), and the share of the cores' time the ranks fill
   (``Cluster.utilization``, about 0.85 at 4 ranks on 2 cores and 0.9 at 8).
 
-The planner then counts what a step does (``dlab.theory.plan.time``) and shares the ranks' CPU seconds
+The planner then counts what a step does (``dlab.theory.plan.cpu``) and shares the ranks' CPU seconds
 out over the cores. What none of this sees, and the bench shows as error: the lab's own
 bookkeeping per step and per micro-batch (the schedule, the meters, the timeline, the
 optimizer's Python), and the CPU a rank burns while it waits, which grows with the wait.

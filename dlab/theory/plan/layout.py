@@ -12,10 +12,12 @@ to each other, stride tp).
 A ``PlanLayout`` is the ``Layout`` of ``nd`` (the same degrees, names and rules) plus how a step
 runs at scale: ``micro_batch`` is the sequences one micro-batch carries on a rank, so a global
 batch B makes m = B / (dp x micro_batch) micro-batches per step (``for_batch``); recomputation,
-precision, the attention kernel and the overlaps a stack does.
+precision, the attention kernel, and hybrid sharding (``zero_group``). What overlaps with what is
+the software stack's (``dlab.theory.plan.stacks``), not the layout's.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 
 from dlab.core.precision import PRECISIONS
@@ -33,22 +35,21 @@ class PlanLayout(Layout):
     #: sequences one micro-batch carries on a rank: m = B / (dp x micro_batch)
     micro_batch: int = 1
     recompute: str = "none"
+    #: full recomputation of one layer in every this many (torchtitan's "selective layer"
+    #: checkpointing, every second layer by default; 1: every layer)
+    recompute_every: int = 1
     #: "bf16": the ZeRO paper's mixed precision (2 + 2 + 12 bytes per parameter);
     #: "bf16-fp32-grads": Megatron's (fp32 gradient buffer: 2 + 4 + 12); "fp32": 4 + 4 + 8
     precision: str = "bf16"
     #: "flash" (FlashAttention: no s x s matrix kept) or "math" (the softmax kept, as in 2022)
     attention: str = "flash"
-    #: tensor-parallel communication overlapped with the matmuls (Transformer Engine's
-    #: userbuffers, MegaScale); off by default, as in Megatron-LM's papers
-    tp_overlap: bool = False
-    #: the data ranks' gradient reduction overlapped with backward (PyTorch DDP's buckets,
-    #: Megatron-LM's --overlap-grad-reduce since 2023); False for Megatron-LM 2021-22's "local"
-    #: DDP, its default, which all-reduced the gradients after the whole pipeline's backward
-    grad_overlap: bool = True
+    #: hybrid sharding (FSDP's HYBRID_SHARD, HSDP): ZeRO shards over groups of this many data
+    #: ranks and the groups' shards are all-reduced; 0: over all dp x cp data ranks
+    zero_group: int = 0
 
     def for_batch(self, global_batch: int) -> PlanLayout:
         """This layout with the micro-batches a global batch of ``global_batch`` sequences makes."""
-        return replace(self, microbatches=max(global_batch // (self.dp * self.micro_batch), 1))
+        return _for_batch(self, global_batch)
 
     def span(self, dim: str) -> int:
         """Consecutive ranks one group of ``dim`` covers (module docstring)."""
@@ -60,11 +61,13 @@ class PlanLayout(Layout):
         parts = [f"{k}{getattr(self, k)}" for k in ("pp", "dp", "cp", "tp") if getattr(self, k) > 1]
         extra = [f"ep{self.ep}"] if self.ep > 1 else []
         extra += [f"zero{self.zero}"] if self.zero else []
+        extra += [f"shard{self.zero_group}"] if self.zero and self.zero_group else []
         extra += ["sp"] if self.sequence_parallel and self.tp > 1 else []
         if self.pp > 1:
             v = self.virtual_stages
             extra.append(self.schedule + (f" v{v}" if v > 1 else ""))
-        extra += [f"mb{self.micro_batch}"] + ([self.recompute] if self.recompute != "none" else [])
+        every = f"/{self.recompute_every}" if self.recompute_every > 1 else ""
+        extra += [f"mb{self.micro_batch}"] + ([self.recompute + every] if self.recompute != "none" else [])
         return " ".join([" x ".join(parts) or "single", *extra])
 
     def asdict(self) -> dict:
@@ -89,8 +92,12 @@ class PlanLayout(Layout):
         planner's own fields here, every rule of the degrees in ``Layout.problems`` (the ones
         ``nd`` and ``pipeline-*`` are held to; the lab's own code's rules apply to the lab's GPT
         only: real models pad their vocabulary and split any MLP)."""
+        return list(_problems(self, spec, global_batch, seq_len))
+
+    def _problems(self, spec, global_batch: int, seq_len: int) -> list[str]:
         bad = [f"{k}={getattr(self, k)!r} must be a whole number >= 1"
-               for k in ("dp", "micro_batch") if not _whole(getattr(self, k)) or getattr(self, k) < 1]
+               for k in ("dp", "micro_batch", "recompute_every")
+               if not _whole(getattr(self, k)) or getattr(self, k) < 1]
         if bad:
             return bad
         out = []
@@ -99,6 +106,14 @@ class PlanLayout(Layout):
                                       ("attention", self.attention, ATTENTION)):
             if value not in choices:
                 out.append(f"{field}={value!r}; choose one of {', '.join(choices)}")
+        if self.recompute_every > 1 and (self.recompute != "full" or spec.gpt is not None):
+            out.append(f"recompute_every={self.recompute_every} recomputes some layers whole: it "
+                       f"needs recompute='full' and a model other than the lab's GPT (whose nd "
+                       f"recomputes every layer or none); use recompute_every=1")
+        n = self.dp * self.cp
+        if not _whole(self.zero_group) or self.zero_group < 0 or (self.zero_group and n % self.zero_group):
+            out.append(f"zero_group={self.zero_group!r} must be 0 (shard over all {n} data ranks) "
+                       f"or a divisor of dp x cp = {n}")
         if global_batch % (self.dp * self.micro_batch):
             return out + [f"global batch {global_batch} does not split into dp={self.dp} x "
                           f"micro_batch={self.micro_batch}; pick a multiple of "
@@ -109,6 +124,17 @@ class PlanLayout(Layout):
                        f"micro_batch = batch / dp = {global_batch // self.dp}")
         return out + Layout.problems(lay, shape(spec, seq_len), lay.dp * lay.microbatches,
                                      lab=spec.gpt is not None)
+
+
+@functools.lru_cache(maxsize=65536)
+def _for_batch(lay: PlanLayout, global_batch: int) -> PlanLayout:
+    return replace(lay, microbatches=max(global_batch // (lay.dp * lay.micro_batch), 1))
+
+
+@functools.lru_cache(maxsize=65536)
+def _problems(lay: PlanLayout, spec, global_batch: int, seq_len: int) -> tuple[str, ...]:
+    """``PlanLayout.problems``, remembered: a search asks once, ``plan`` again."""
+    return tuple(lay._problems(spec, global_batch, seq_len))
 
 
 def _whole(value) -> bool:

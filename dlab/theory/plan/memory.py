@@ -92,12 +92,15 @@ def rank_params(spec, lay, pp_rank: int) -> tuple[float, float]:
 
 
 def model_state(spec, lay, pp_rank: int) -> dict[str, float]:
-    n = lay.dp * lay.cp
+    """Model-state bytes of a rank: ZeRO over the dp x cp data ranks, or over groups of
+    ``zero_group`` of them under hybrid sharding."""
+    n = lay.zero_group or lay.dp * lay.cp
     dense, experts = rank_params(spec, lay, pp_rank)
     out = state_bytes(dense, n, lay.zero, lay.precision)
     if experts:
-        for k, v in state_bytes(experts, max(n // lay.ep, 1), lay.zero, lay.precision).items():
-            out[k] += v
+        owners = min(n, lay.dp * lay.cp // lay.ep)
+        for key, v in state_bytes(experts, max(owners, 1), lay.zero, lay.precision).items():
+            out[key] += v
     return out
 
 
@@ -150,6 +153,9 @@ def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> flo
     r = t if lay.sequence_parallel else 1
     e = 4 if lay.precision == "fp32" else 2
     kept, transient = layer_bytes(spec, lay, b, seq_len)
+    if lay.recompute_every > 1:  # one layer in k recomputed whole, the others keep everything
+        whole = kept + transient
+        kept = (kept + (lay.recompute_every - 1) * whole) / lay.recompute_every
     held = in_flight(lay.schedule, lay.pp, m, pp_rank, lay.virtual_stages) if lay.pp > 1 else 1
     per_micro = layers_on(spec, lay, pp_rank) * kept
     if pp_rank == 0 and spec.dropout:

@@ -47,10 +47,11 @@ def layouts(spec, gpus: int, global_batch: int, seq_len: int, *, precision: str 
     return out
 
 
-def search(spec, cluster, gpus: int, global_batch: int, seq_len: int, **space) -> list:
-    """Predictions of every layout (``layouts``): those that fit first, fastest first, then
-    those that do not, smallest memory first."""
-    preds = [plan(spec, cluster, lay, global_batch, seq_len)
+def search(spec, cluster, gpus: int, global_batch: int, seq_len: int, stack=None, **space) -> list:
+    """Predictions of every layout (``layouts``) under ``stack`` (``dlab.theory.plan.stacks``;
+    its default when None): those that fit first, fastest first, then those that do not,
+    smallest memory first."""
+    preds = [plan(spec, cluster, lay, global_batch, seq_len, stack)
              for lay in layouts(spec, gpus, global_batch, seq_len, **space)]
     fit = sorted((p for p in preds if p.fits), key=lambda p: p.step_s)
     over = sorted((p for p in preds if not p.fits), key=lambda p: p.memory["total"])

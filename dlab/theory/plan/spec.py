@@ -21,7 +21,9 @@ et al. 2022 app. B: the causal mask is not discounted). A MoE counts k experts, 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,11 @@ class Transformer:
     top_k: int = 1
     #: GPT-3-era models keep 1-byte dropout masks for backward (Korthikanti et al. count them)
     dropout: bool = False
+    #: rotary position embeddings (Llama) rather than learned or none
+    rope: bool = False
+    #: "layernorm" (GPT) or "rmsnorm" (Llama): eager PyTorch runs the one as one kernel, the
+    #: other as several (``dlab.theory.plan.ops``)
+    norm: str = "layernorm"
     #: the lab's GPTConfig when this is dlab's own model (exact formulas apply), else None
     gpt: object = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -98,6 +105,8 @@ class Transformer:
             out.append(f"{self.name}: n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
         if self.mlp not in ("gelu", "swiglu"):
             out.append(f"{self.name}: mlp={self.mlp!r}; use 'gelu' or 'swiglu'")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            out.append(f"{self.name}: norm={self.norm!r}; use 'layernorm' or 'rmsnorm'")
         if not 1 <= self.top_k <= self.n_expert:
             out.append(f"{self.name}: top_k={self.top_k} must be between 1 and n_expert={self.n_expert}")
         return out
@@ -111,19 +120,29 @@ def from_gpt(cfg, name: str = "lab GPT") -> Transformer:
                        n_expert=getattr(cfg, "n_expert", 1), top_k=getattr(cfg, "top_k", 1), gpt=cfg)
 
 
+def llama(name: str, n_layer: int, d_model: int, n_head: int, d_ff: int, vocab: int,
+          n_kv_head: int = 0, **more) -> Transformer:
+    """A Llama-shaped model: SwiGLU, RMSNorm, rotary embeddings, no dropout, untied head."""
+    return Transformer(name, n_layer, d_model, n_head, d_ff, vocab, n_kv_head=n_kv_head,
+                       mlp="swiglu", rope=True, norm="rmsnorm", **more)
+
+
 #: Well-known shapes. GPT-3: Brown et al. 2020, table 2.1 (learned positions, GeLU, dropout).
+#: Llama 2: Touvron et al. 2023, table 1 and its released configurations.
 #: Llama 3: Dubey et al. 2024, table 3 (GQA with 8 KV heads, SwiGLU, RoPE, no dropout).
 #: Mixtral 8x7B: Jiang et al. 2024 (8 experts, top-2, Mistral 7B's attention).
 #: The Megatron models are those of Narayanan et al. 2021 (table 1) and Korthikanti et al. 2022
 #: (table 3): GPT shapes, vocabulary 51200, dropout.
 PRESETS = {
     "gpt3-175b": Transformer("GPT-3 175B", 96, 12288, 96, 4 * 12288, 50257, dropout=True),
-    "llama3-8b": Transformer("Llama 3 8B", 32, 4096, 32, 14336, 128256, n_kv_head=8, mlp="swiglu"),
-    "llama3-70b": Transformer("Llama 3 70B", 80, 8192, 64, 28672, 128256, n_kv_head=8, mlp="swiglu"),
-    "llama3-405b": Transformer("Llama 3 405B", 126, 16384, 128, 53248, 128256, n_kv_head=8,
-                               mlp="swiglu"),
-    "mixtral-8x7b": Transformer("Mixtral 8x7B", 32, 4096, 32, 14336, 32000, n_kv_head=8,
-                                mlp="swiglu", n_expert=8, top_k=2),
+    "llama2-7b": llama("Llama 2 7B", 32, 4096, 32, 11008, 32000),
+    "llama2-13b": llama("Llama 2 13B", 40, 5120, 40, 13824, 32000),
+    "llama2-70b": llama("Llama 2 70B", 80, 8192, 64, 28672, 32000, n_kv_head=8),
+    "llama3-8b": llama("Llama 3 8B", 32, 4096, 32, 14336, 128256, n_kv_head=8),
+    "llama3-70b": llama("Llama 3 70B", 80, 8192, 64, 28672, 128256, n_kv_head=8),
+    "llama3-405b": llama("Llama 3 405B", 126, 16384, 128, 53248, 128256, n_kv_head=8),
+    "mixtral-8x7b": llama("Mixtral 8x7B", 32, 4096, 32, 14336, 32000, n_kv_head=8,
+                          n_expert=8, top_k=2),
 }
 
 
@@ -134,7 +153,62 @@ def megatron_gpt(name: str, n_layer: int, d_model: int, n_head: int, vocab: int 
 
 
 def preset(name: str) -> Transformer:
+    """A preset by name, or a Hugging Face style ``config.json`` by path (``from_config``)."""
+    if name.endswith(".json"):
+        return from_config(name)
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or "
+                         f"give a config.json") from None
+
+
+#: Hugging Face config keys, then GPT-2 style ones, for each field
+KEYS = {"d_model": ("hidden_size", "n_embd", "d_model"),
+        "n_layer": ("num_hidden_layers", "n_layer", "n_layers"),
+        "n_head": ("num_attention_heads", "n_head", "n_heads"),
+        "n_kv_head": ("num_key_value_heads",),
+        "d_ff": ("intermediate_size", "n_inner", "ffn_hidden_size"),
+        "vocab": ("vocab_size",),
+        "n_expert": ("num_local_experts", "num_experts", "n_routed_experts"),
+        "top_k": ("num_experts_per_tok", "moe_topk")}
+GATED = ("silu", "swish", "swiglu")
+
+
+def from_config(path) -> Transformer:
+    """A model from a Hugging Face style ``config.json``: hidden size, layers, heads, key-value
+    heads, intermediate size, vocabulary, tied embeddings, experts. A SiLU activation means a
+    gated (SwiGLU) MLP, as in Llama, Mistral and Qwen; an RMSNorm epsilon an RMSNorm; a rotary
+    base rotary embeddings. A missing intermediate size is 4 h (GPT-2)."""
+    file = Path(path)
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the model config {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} is not a JSON object of model settings")
+    got = {}
+    for field, keys in KEYS.items():
+        for key in keys:
+            if cfg.get(key) is not None:
+                got[field] = cfg[key]
+                break
+    missing = [keys[0] for field, keys in KEYS.items()
+               if field in ("d_model", "n_layer", "n_head", "vocab") and field not in got]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: a config needs the hidden size, the "
+                         f"layers, the attention heads and the vocabulary")
+    bad = [f"{k}={v!r}" for k, v in got.items() if not isinstance(v, int) or v < 1]
+    if bad:
+        raise ValueError(f"{path}: {', '.join(bad)} must be whole numbers >= 1")
+    act = str(cfg.get("hidden_act", cfg.get("activation_function", "gelu"))).lower()
+    gated = act in GATED
+    return Transformer(
+        name=cfg.get("_name_or_path") or cfg.get("model_type") or file.stem,
+        n_layer=got["n_layer"], d_model=got["d_model"], n_head=got["n_head"],
+        d_ff=got.get("d_ff", 4 * got["d_model"]), vocab=got["vocab"],
+        n_kv_head=got.get("n_kv_head", 0), mlp="swiglu" if gated else "gelu",
+        tied=bool(cfg.get("tie_word_embeddings", not gated)),
+        n_expert=got.get("n_expert", 1), top_k=got.get("top_k", 1) if got.get("n_expert", 1) > 1 else 1,
+        rope="rope_theta" in cfg or cfg.get("position_embedding_type") == "rotary",
+        norm="rmsnorm" if "rms_norm_eps" in cfg else "layernorm")

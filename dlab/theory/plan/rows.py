@@ -1,0 +1,281 @@
+"""The published rows the planner is scored on (``dlab.theory.plan.published``), as code: each
+source's configurations with the figure as the source states it, where it states it.
+
+Six sources, 62 configurations, two GPU generations, four software stacks:
+
+- Narayanan et al. 2021 (Megatron-LM, 3D parallelism on A100s), table 1: 10 rows;
+- Korthikanti et al. 2022 (sequence parallelism, selective recomputation, A100s), table 4: 8;
+- Dubey et al. 2024 (Llama 3 405B on H100s, 4D with context parallelism), table 4: 3;
+- Megatron-LM's README (Megatron-Core r0.8 on H100s, its model table and strong scaling): 11;
+- torchtitan (PyTorch-native FSDP2 on A100s and H100s, two benchmark pages): 12;
+- MosaicML's llm-foundry (PyTorch FSDP at 128-512 H100s), its large-scale table: 18.
+
+Each row says what was assumed where its source is silent (``Published.assumed``). Left out:
+rows in fp8 (the planner prices bf16 kernels only), torchtitan's 405B row (its "H100 (94GB
+memory)" matches no machine the project describes), IBM's fms-fsdp table (its "selective"
+recomputation checkpoints an unstated share of the blocks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dlab.theory.plan import clusters
+from dlab.theory.plan.layout import PlanLayout
+from dlab.theory.plan.predict import plan
+from dlab.theory.plan.spec import PRESETS, Transformer, megatron_gpt
+from dlab.theory.plan.time import Knobs
+
+
+@dataclass(frozen=True)
+class Source:
+    key: str
+    #: the paper or page, the table, the date
+    cite: str
+    short: str
+
+
+@dataclass(frozen=True)
+class Published:
+    source: Source
+    model: object
+    cluster: str
+    layout: object
+    global_batch: int
+    seq_len: int
+    metric: str  # "tflops_per_gpu", "mfu", "iteration_s" or "tokens_per_s_per_gpu"
+    value: float
+    stack: str
+    convention: str = "model"  # how the source counts FLOPs (module docstring)
+    assumed: str = ""
+    #: the peak the source divides by for MFU
+    peak: float = 0.0
+    extra: dict = field(default_factory=dict)
+    #: other readings of what the source leaves open (layout fields to replace), whose
+    #: predictions widen the row's range
+    alternatives: tuple = ()
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.world
+
+    def flops_per_step(self) -> float:
+        m, b, s = self.model, self.global_batch, self.seq_len
+        if self.convention == "megatron":
+            layers, h, v = m.n_layer, m.d_model, m.vocab
+            return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+        per_token = m.flops_per_token(s)
+        if self.convention == "6N":
+            per_token += 6 * m.embedding_params()
+        return per_token * b * s
+
+    def predicted(self, step_s: float) -> float:
+        """The source's metric from a predicted step time."""
+        if self.metric == "iteration_s":
+            return step_s
+        if self.metric == "tokens_per_s_per_gpu":
+            return self.global_batch * self.seq_len / step_s / self.gpus
+        tflops = self.flops_per_step() / step_s / self.gpus
+        if self.metric == "mfu":
+            return tflops / self.peak
+        return tflops / 1e12
+
+    def throughput_error(self, step_s: float) -> float:
+        """Predicted over published throughput, less 1: positive where the plan is optimistic."""
+        pred = self.predicted(step_s)
+        return (self.value / pred if self.metric == "iteration_s" else pred / self.value) - 1
+
+    @property
+    def generation(self) -> str:
+        return clusters.preset(self.cluster).generation
+
+    def plan(self, knobs: Knobs | None = None, layout=None):
+        return plan(self.model, clusters.preset(self.cluster), layout or self.layout,
+                    self.global_batch, self.seq_len, self.stack, knobs)
+
+
+NARAYANAN = Source("narayanan2021", "Narayanan et al. 2021, Efficient Large-Scale Language Model "
+                   "Training on GPU Clusters Using Megatron-LM (SC'21), table 1", "Narayanan et al. 2021")
+KORTHIKANTI = Source("korthikanti2022", "Korthikanti et al. 2022, Reducing Activation "
+                     "Recomputation in Large Transformer Models (MLSys'23), table 4",
+                     "Korthikanti et al. 2022")
+LLAMA3 = Source("llama3", "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), table 4",
+                "Llama 3 (Dubey et al. 2024)")
+MCORE = Source("megatron-core", "NVIDIA Megatron-LM README, 'Performance Benchmarking': "
+               "images/model_table.png (Megatron-Core r0.8.0, committed 2024-07-15) and the strong "
+               "scaling text (177B, 96 to 4,608 H100s, MFU 47 % to 42 %)", "Megatron-LM README 2024")
+TITAN = Source("torchtitan", "pytorch/torchtitan: docs/performance.md at 157a12c (2024-04-24), "
+               "64 A100s; benchmarks/llama3_h100_202412_torchtitan.md (runs of 2024-12, "
+               "committed 2025-06-13), tables 1 and 3", "torchtitan 2024")
+FOUNDRY = Source("llm-foundry", "mosaicml/llm-foundry: scripts/train/benchmarking/README.md at "
+                 "5e85bd6 (2024-01-06), 'H100 80GB BF16 (Large Scale, >= 128 GPUs)'",
+                 "llm-foundry 2024")
+
+
+def _other_v(pp: int, v: int = 2) -> tuple:
+    """Where a source does not say how many model chunks its interleaved schedule ran: the
+    schedules beside the assumed ``v`` (1F1B, v = 2, 4, 8)."""
+    if pp == 1:
+        return ()
+    return tuple({"schedule": "1f1b", "virtual_stages": 1} if k == 1 else {"virtual_stages": k}
+                 for k in (1, 2, 4, 8) if k != v)
+
+
+def _other_micro(pp: int, v: int = 2) -> tuple:
+    """Where a source does not state its micro-batch: 2 and 4 sequences beside the assumed 1,
+    and the schedules ``_other_v`` allows."""
+    return ({"micro_batch": 2}, {"micro_batch": 4}, *_other_v(pp, v))
+
+
+def _narayanan(name, layers, hidden, heads, tp, pp, gpus, batch, tflops) -> Published:
+    """A row of Narayanan et al.'s table 1: sequence 2048, vocabulary 51200, A100 80GB (DGX A100,
+    8 x 200 Gb/s HDR), full recomputation, the interleaved schedule where pipelined."""
+    lay = PlanLayout(dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, recompute="full",
+                     schedule="interleaved" if pp > 1 else "1f1b",
+                     virtual_stages=2 if pp > 1 else 1, precision="bf16", attention="math")
+    return Published(NARAYANAN, megatron_gpt(name, layers, hidden, heads), "a100-80gb", lay,
+                     batch, 2048, "tflops_per_gpu", tflops, "megatron-lm-2021", "megatron",
+                     "micro-batch 1 and v = 2 (not in the table); 16-bit gradients reduced",
+                     alternatives=_other_micro(pp))
+
+
+def _korthikanti(name, layers, hidden, heads, pp, gpus, batch, micro, full_s, present_s,
+                 mfu) -> list[Published]:
+    """Korthikanti et al.'s models (table 3: tp 8, sequence 2048, vocabulary 51200, A100 80GB,
+    dp 1) timed per iteration with full recomputation and with their "present work", sequence
+    parallelism and selective recomputation (table 4). The present work's MFU (``extra``)
+    cross-checks the times (``tests/test_plan_published.py``)."""
+    spec = megatron_gpt(name, layers, hidden, heads)
+    out = []
+    for recompute, sp, value in (("full", False, full_s), ("selective", True, present_s)):
+        lay = PlanLayout(dp=gpus // (8 * pp), tp=8, pp=pp, sequence_parallel=sp, recompute=recompute,
+                         micro_batch=micro, attention="math", precision="bf16")
+        extra = {"mfu": mfu} if recompute == "selective" else {}
+        out.append(Published(KORTHIKANTI, spec, "a100-80gb", lay, batch, 2048, "iteration_s", value,
+                             "megatron-lm-2021", assumed="the 1F1B schedule (not stated)", extra=extra,
+                             alternatives=(({"schedule": "interleaved", "virtual_stages": 2},)
+                                           if pp > 1 else ())))
+    return out
+
+
+def _llama3(dp, cp, seq, batch_per_dp, tflops) -> Published:
+    """Llama 3 405B on H100s (table 4: tp 8, pp 16, bf16, "TFLOPs/GPU"): interleaved 1F1B
+    (sec. 3.3.2) over 16 stages of 8 layers (one fewer on the first and last: its balanced
+    pipeline); its FSDP shards optimizer state and gradients and gathers the weights once
+    (zero=2 here); context parallelism by all-gathering K and V (sec. 3.3.2). The chunks per
+    stage are not stated: v = 4 (a chunk of two layers), the middle of the 2 to 8 a stage of 8
+    layers allows, each of which widens the range."""
+    lay = PlanLayout(dp=dp, tp=8, pp=16, cp=cp, zero=2, sequence_parallel=True,
+                     schedule="interleaved", virtual_stages=4, micro_batch=1, precision="bf16",
+                     cp_attention="allgather")
+    return Published(LLAMA3, PRESETS["llama3-405b"], "h100-sxm", lay, dp * batch_per_dp, seq,
+                     "tflops_per_gpu", tflops, "llama3-meta", "model",
+                     "v = 4 and micro-batch 1 (not stated); the paper's FLOPs count is not given: "
+                     "6N + 12 L h s assumed", alternatives=_other_v(16, 4)[1:])
+
+
+def _mcore(name, heads, hidden, layers, tp, pp, gpus, batch, tflops, metric="tflops_per_gpu") -> Published:
+    """A GPT of Megatron-LM's 2024 benchmark (vocabulary 131072, sequence 4096, data parallelism
+    48 in its table): Megatron-Core r0.8 with its overlaps, the distributed optimizer, sequence
+    parallelism with tensor parallelism (its TP overlap needs it)."""
+    spec = Transformer(name, layers, hidden, heads, 4 * hidden, 131072)
+    lay = PlanLayout(dp=gpus // (tp * pp), tp=tp, pp=pp, zero=1, sequence_parallel=tp > 1,
+                     schedule="interleaved" if pp > 1 else "1f1b",
+                     virtual_stages=2 if pp > 1 else 1, micro_batch=1,
+                     precision="bf16-fp32-grads")
+    return Published(MCORE, spec, "h100-sxm", lay, batch, 4096, metric, tflops,
+                     "megatron-core-2024", "model",
+                     "GeLU, f = 4h, untied (the table's sizes); micro-batch 1, v = 2, no "
+                     "recomputation (not stated)", peak=989e12, alternatives=_other_micro(pp))
+
+
+def _titan(model, gpus, batch, seq, recompute, tps, cluster, stack, every=1, note="") -> Published:
+    """torchtitan's FSDP2 (zero=3 over every GPU, gradients reduced in fp32: its
+    mixed_precision_reduce default), one micro-batch of the local batch."""
+    lay = PlanLayout(dp=gpus, zero=3, micro_batch=batch, recompute=recompute, recompute_every=every,
+                     precision="bf16-fp32-grads")
+    return Published(TITAN, PRESETS[model], cluster, lay, gpus * batch, seq, "tokens_per_s_per_gpu",
+                     tps, stack, assumed=note or "SDPA's flash backend, the selective op policy")
+
+
+def _mpt(size, layers, hidden, heads, gpus, micro, tps, sharding, ac) -> Published:
+    """An MPT of llm-foundry's table: GeLU, f = 4h, tied embedding, vocabulary 50368, sequence
+    2048, FlashAttention (triton), FSDP with pure bf16 (weights, gradients and reductions)."""
+    spec = Transformer(f"MPT {size}", layers, hidden, heads, 4 * hidden, 50368, tied=True)
+    lay = PlanLayout(dp=gpus, zero=3 if sharding == "FULL_SHARD" else 2, micro_batch=micro,
+                     recompute="full" if ac else "none", precision="bf16")
+    return Published(FOUNDRY, spec, "h100-sxm", lay, gpus * micro, 2048, "tokens_per_s_per_gpu", tps,
+                     "pytorch-fsdp1", assumed="DGX H100 nodes (the platform's network is not stated)")
+
+
+ROWS = [
+    _narayanan("GPT 1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    _narayanan("GPT 3.6B", 30, 3072, 32, 2, 1, 64, 512, 138),
+    _narayanan("GPT 7.5B", 36, 4096, 32, 4, 1, 128, 512, 142),
+    _narayanan("GPT 18.4B", 40, 6144, 48, 8, 1, 256, 1024, 135),
+    _narayanan("GPT 39.1B", 48, 8192, 64, 8, 2, 512, 1536, 138),
+    _narayanan("GPT 76.1B", 60, 10240, 80, 8, 4, 1024, 1792, 140),
+    _narayanan("GPT 145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 148),
+    _narayanan("GPT 310.1B", 96, 16384, 128, 8, 16, 1920, 2160, 155),
+    _narayanan("GPT 529.6B", 105, 20480, 128, 8, 35, 2520, 2520, 163),
+    _narayanan("GPT 1008.0B", 128, 25600, 160, 8, 64, 3072, 3072, 163),
+    *_korthikanti("GPT 22B", 48, 6144, 64, 1, 8, 4, 4, 1.42, 1.10, 0.415),
+    *_korthikanti("GPT-3 175B", 96, 12288, 96, 8, 64, 64, 1, 18.13, 13.75, 0.514),
+    *_korthikanti("MT-NLG 530B", 105, 20480, 128, 35, 280, 280, 1, 49.05, 37.83, 0.560),
+    *_korthikanti("GPT 1T", 128, 25600, 160, 64, 512, 512, 1, 94.42, 71.49, 0.563),
+    _llama3(64, 1, 8192, 32, 430),
+    _llama3(128, 1, 8192, 16, 400),
+    _llama3(8, 16, 131072, 16, 380),  # dp = 16,384 / (8 tp x 16 cp x 16 pp), 16M tokens a batch
+    _mcore("GPT 1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    _mcore("GPT 7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    _mcore("GPT 16B", 48, 6144, 32, 4, 1, 192, 192, 489.1),
+    _mcore("GPT 32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+    _mcore("GPT 70B", 64, 8192, 84, 8, 2, 768, 384, 419.7),
+    _mcore("GPT 119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+    _mcore("GPT 177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
+    _mcore("GPT 314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    _mcore("GPT 462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+    _mcore("GPT 177B", 96, 12288, 96, 8, 6, 96, 1152, 0.47, "mfu"),  # strong scaling's ends
+    _mcore("GPT 177B", 96, 12288, 96, 8, 6, 4608, 1152, 0.42, "mfu"),
+    _titan("llama3-8b", 64, 1, 8192, "full", 2904, "a100-80gb", "torchtitan-fsdp2", every=2,
+           note="selective layer AC as every second layer recomputed (its default then); DGX A100 nodes"),
+    _titan("llama3-8b", 64, 1, 8192, "selective", 2973, "a100-80gb", "torchtitan-fsdp2",
+           note="its selective op policy; DGX A100 nodes"),
+    _titan("llama3-70b", 64, 1, 8192, "full", 331, "a100-80gb", "torchtitan-fsdp2",
+           note="DGX A100 nodes"),
+    _titan("llama2-13b", 64, 2, 4096, "none", 2162, "a100-80gb", "torchtitan-fsdp2",
+           note="DGX A100 nodes"),
+    _titan("llama2-13b", 64, 2, 4096, "full", 1914, "a100-80gb", "torchtitan-fsdp2", every=2,
+           note="selective layer AC as every second layer recomputed (its default then); DGX A100 nodes"),
+    _titan("llama2-13b", 64, 2, 4096, "selective", 1904, "a100-80gb", "torchtitan-fsdp2",
+           note="its selective op policy; DGX A100 nodes"),
+    _titan("llama2-70b", 64, 1, 4096, "selective", 355, "a100-80gb", "torchtitan-fsdp2",
+           note="its selective op policy; DGX A100 nodes"),
+    _titan("llama2-70b", 64, 2, 4096, "full", 353, "a100-80gb", "torchtitan-fsdp2",
+           note="DGX A100 nodes"),
+    _titan("llama3-8b", 8, 2, 8192, "selective", 5762, "h100-grand-teton", "torchtitan-fsdp2",
+           note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
+    _titan("llama3-8b", 8, 2, 8192, "selective", 6667, "h100-grand-teton", "torchtitan-fsdp2-compile",
+           note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
+    _titan("llama3-8b", 128, 2, 8192, "selective", 5605, "h100-grand-teton", "torchtitan-fsdp2",
+           note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
+    _titan("llama3-8b", 128, 2, 8192, "selective", 6514, "h100-grand-teton", "torchtitan-fsdp2-compile",
+           note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
+    _mpt("70b", 80, 8192, 64, 512, 8, 1007, "FULL_SHARD", True),
+    _mpt("70b", 80, 8192, 64, 256, 8, 1035, "FULL_SHARD", True),
+    _mpt("70b", 80, 8192, 64, 128, 8, 1058, "FULL_SHARD", True),
+    _mpt("30b", 48, 7168, 56, 512, 8, 2115, "FULL_SHARD", True),
+    _mpt("30b", 48, 7168, 56, 256, 8, 2148, "FULL_SHARD", True),
+    _mpt("30b", 48, 7168, 56, 128, 8, 2199, "FULL_SHARD", True),
+    _mpt("13b", 40, 5120, 40, 512, 16, 4952, "FULL_SHARD", True),
+    _mpt("13b", 40, 5120, 40, 256, 16, 4989, "FULL_SHARD", True),
+    _mpt("13b", 40, 5120, 40, 128, 16, 5080, "FULL_SHARD", True),
+    _mpt("7b", 32, 4096, 32, 512, 6, 9670, "FULL_SHARD", False),
+    _mpt("7b", 32, 4096, 32, 256, 6, 10119, "FULL_SHARD", False),
+    _mpt("7b", 32, 4096, 32, 128, 6, 10475, "FULL_SHARD", False),
+    _mpt("3b", 32, 2560, 20, 512, 8, 21664, "SHARD_GRAD_OP", False),
+    _mpt("3b", 32, 2560, 20, 256, 8, 22772, "SHARD_GRAD_OP", False),
+    _mpt("3b", 32, 2560, 20, 128, 8, 23422, "SHARD_GRAD_OP", False),
+    _mpt("1b", 24, 2048, 16, 512, 12, 39837, "SHARD_GRAD_OP", False),
+    _mpt("1b", 24, 2048, 16, 256, 12, 42555, "SHARD_GRAD_OP", False),
+    _mpt("1b", 24, 2048, 16, 128, 12, 44123, "SHARD_GRAD_OP", False),
+]

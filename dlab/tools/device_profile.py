@@ -1,0 +1,267 @@
+"""``python -m dlab plan calibrate``: a machine measures itself into a cluster profile.
+
+What the planner prices (``dlab.theory.plan.kernels``, ``collectives``) is measured here on
+the device this process runs on (a GPU where there is one, else one CPU thread, as a lab rank
+runs), and written as a profile (``dlab.theory.plan.cluster.dump``) that ``--cluster FILE`` and
+``clusters.load`` read:
+
+- matmul: FLOP/s over a grid of shapes (m, n, k), the median of a few timed repeats after a
+  warm-up; the best of them over the peak is the profile's ``matmul`` share, and the table
+  replaces the quantization curve;
+- attention: the fused causal attention (``scaled_dot_product_attention``) over sequence
+  lengths, forward and backward, at its executed FLOPs (the causal half; backward 2.5 times
+  forward, as ``dlab.theory.plan.ops`` counts them);
+- memory bandwidth: a large copy's bytes read and written per second; the launch cost: a
+  one-element op's seconds;
+- collectives, with ``ranks`` > 1: all-reduce, all-gather, reduce-scatter, all-to-all and a
+  send/receive pair over message sizes on ``ranks`` fresh processes (Gloo on the CPU, NCCL on
+  GPUs), the slowest rank's median; each op's latency per step and bus bandwidth fitted by
+  least squares in relative error (``fit_link``) over the sizes.
+
+The peak is the data sheet's on a known GPU (``dlab.core.machine``) and the best measured
+matmul on a CPU. The GPU presets' constants (``dlab.theory.plan.cluster``) come from published
+figures; a profile measured on a GPU says what moved against them (``describe``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dlab.core.machine import GPU_PEAK_FLOPS, usable_cores
+from dlab.procs.spawn import spawn
+from dlab.theory.comm import AlphaBeta
+from dlab.theory.plan import cluster as clusters
+from dlab.theory.plan.collectives import bus_bytes, steps
+from dlab.theory.plan.kernels import Kernels
+
+QUICK = {"shapes": ((128, 128, 128), (256, 512, 256), (512, 512, 512), (256, 1024, 1024)),
+         "seqs": (128, 512), "sizes": (1 << 12, 1 << 16, 1 << 20), "repeats": 3}
+FULL = {"shapes": tuple((m, n, k) for m in (256, 1024, 4096) for n in (512, 2048, 8192)
+                        for k in (512, 2048, 8192)),
+        "seqs": (512, 1024, 2048, 4096, 8192), "sizes": tuple(1 << p for p in range(12, 29, 2)),
+        "repeats": 10}
+CPU_GRID = {**FULL, "shapes": tuple((m, n, k) for m in (64, 256, 1024) for n in (256, 1024)
+                                     for k in (256, 1024)), "seqs": (128, 256, 512, 1024),
+            "sizes": tuple(1 << p for p in range(12, 25, 3)), "repeats": 5}
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _seconds(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` after one warm-up, synchronising a GPU around each."""
+    cuda = torch.cuda.is_available()
+    fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _dtype(device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def matmuls(shapes, repeats: int) -> tuple:
+    """(m, n, k, FLOP/s) of each shape."""
+    dev = _device()
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=dev, dtype=_dtype(dev))
+        b = torch.randn(k, n, device=dev, dtype=_dtype(dev))
+        out.append((m, n, k, 2.0 * m * n * k / _seconds(lambda a=a, b=b: a @ b, repeats)))
+    return tuple(out)
+
+
+def attention(seqs, repeats: int, heads: int = 4, width: int = 64) -> tuple:
+    """(keys, forward FLOP/s, backward FLOP/s) of causal fused attention at each length."""
+    dev = _device()
+    out = []
+    for s in seqs:
+        q, k, v = (torch.randn(1, heads, s, width, device=dev, dtype=_dtype(dev), requires_grad=True)
+                   for _ in range(3))
+        flops = 4.0 * heads * s * (s / 2) * width  # the causal half, as the planner counts it
+
+        def forward(q=q, k=k, v=v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        fwd = _seconds(forward, repeats)
+        out_ = forward()
+        grad = torch.ones_like(out_)
+        def backward(o=out_, g=grad, ins=(q, k, v)):
+            return torch.autograd.grad(o, ins, g, retain_graph=True)
+
+        both = _seconds(backward, repeats)
+        out.append((s, flops / fwd, 2.5 * flops / both))
+    return tuple(out)
+
+
+def bandwidth(repeats: int, nbytes: int = 1 << 28) -> float:
+    """Bytes read and written per second by a large copy."""
+    dev = _device()
+    src = torch.empty(nbytes // 4, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _seconds(lambda: dst.copy_(src), repeats)
+
+
+def launch_cost(repeats: int = 50) -> float:
+    """Seconds of a one-element op: the fixed cost of a kernel."""
+    x = torch.zeros(1, device=_device())
+    return _seconds(lambda: x.add_(1.0), repeats)
+
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def _collective(op: str, n: int, size: int):
+    """A closure running one ``op`` of an ``size``-byte buffer on this rank."""
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    elems = max(size // 4 // n * n, n)
+    buf, out = torch.zeros(elems, device=dev), torch.zeros(elems, device=dev)
+    shard = torch.zeros(elems // n, device=dev)
+    rank = dist.get_rank()
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(buf)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(out, shard)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, buf)
+    if op == "all_to_all":
+        return lambda: dist.all_to_all_single(out, buf)
+    peer = rank ^ 1  # pairs 0-1, 2-3: a send each way, as a pipeline's neighbours swap
+
+    def pair():
+        if peer >= n:
+            return
+        ops = [dist.P2POp(dist.isend, buf, peer), dist.P2POp(dist.irecv, out, peer)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return pair
+
+
+def _time_collectives(sizes, repeats: int) -> dict:
+    """On each rank: median seconds of every op at every size, all ranks starting together."""
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    out = {}
+    for op in OPS:
+        for size in sizes:
+            fn = _collective(op, n, size)
+            fn()
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            out[(op, size)] = statistics.median(times)
+    return out
+
+
+def fit_link(op: str, n: int, points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(latency per step, bus bandwidth) of ``op`` over ``n`` ranks through (bytes, seconds)
+    points: least squares of ``t = steps x latency + bus bytes / busbw`` in relative error."""
+    x = np.array([bus_bytes(op, s, n) for s, _ in points])
+    t = np.array([sec for _, sec in points])
+    a = np.stack([np.full_like(x, max(steps(op, n), 1)), x], axis=1) / t[:, None]
+    (latency, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    return max(float(latency), 0.0), 1.0 / max(float(beta), 1e-15)
+
+
+def collectives(ranks: int, sizes, repeats: int, runs_dir: str = "runs") -> tuple:
+    """(op, "intra", latency per step, bus bandwidth) of every op over ``ranks`` processes."""
+    per_rank = spawn(_time_collectives, ranks, sizes, repeats, runs_dir=runs_dir, name="calibrate",
+                     timeout_s=120.0)
+    out = []
+    for op in OPS:
+        n = 2 if op == "p2p" else ranks
+        points = [(size, max(r[(op, size)] for r in per_rank)) for size in sizes]
+        out.append((op, "intra", *fit_link(op, n, points)))
+    return tuple(out)
+
+
+def measure(quick: bool = False, ranks: int = 2, runs_dir: str = "runs") -> tuple[clusters.Cluster, dict]:
+    """This machine as a cluster, every constant measured (module docstring), and what was
+    measured where (for the profile's ``measured`` field)."""
+    dev = _device()
+    grid = QUICK if quick else (FULL if dev.type == "cuda" else CPU_GRID)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a lab rank's one thread
+    try:
+        table = matmuls(grid["shapes"], grid["repeats"])
+        attn = attention(grid["seqs"], grid["repeats"])
+        hbm = bandwidth(grid["repeats"])
+        launch = launch_cost()
+    finally:
+        torch.set_num_threads(threads)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({platform.machine()}, one thread)"
+    known = next((m for m in GPU_PEAK_FLOPS if dev.type == "cuda" and m in name), None)
+    best = max(table, key=lambda r: r[3])
+    peak = GPU_PEAK_FLOPS[known]["bf16"] if known else best[3]
+    ops = collectives(ranks, grid["sizes"], grid["repeats"], runs_dir) if ranks > 1 else ()
+    by_op = {op: (lat, bw) for op, _, lat, bw in ops}
+    intra = AlphaBeta.link(*reversed(by_op.get("all_reduce", (1e-5, 1e9))))
+    memory = (torch.cuda.get_device_properties(0).total_memory if dev.type == "cuda"
+              else _host_memory() / max(usable_cores(), 1))
+    kernels = Kernels(matmul=best[3] / peak, sms=0, tile=(1, 1, 1), best=best[:3], fill=0.0,
+                      attention=(("fa2", attn[-1][1] / peak, attn[-1][2] / peak),
+                                 ("fa3", attn[-1][1] / peak, attn[-1][2] / peak)),
+                      hbm=1.0, launch=launch, matmul_table=table, attention_table=attn)
+    gpus_per_node = torch.cuda.device_count() if dev.type == "cuda" else usable_cores()
+    cluster = clusters.Cluster(
+        f"{name}, measured", peak, float(memory), hbm, max(gpus_per_node, 1), intra, intra,
+        kernels.matmul, kernels.attention[0][1], reserved=0.0, kernels=kernels, ops=ops,
+        spread=(("matmul", 0.95, 1.05), ("attention", 0.95, 1.05), ("hbm", 0.95, 1.05)),
+        source="python -m dlab plan calibrate" + (" --quick" if quick else ""),
+        generation=known or "")
+    measured = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": name,
+                "torch": torch.__version__, "ranks": ranks, "quick": quick,
+                "threads": 1 if dev.type == "cpu" else None}
+    return cluster, measured
+
+
+def _host_memory() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def profile(path, quick: bool = False, ranks: int = 2, runs_dir: str = "runs") -> dict:
+    """Measure this machine and write its profile to ``path``; the profile's fields."""
+    cluster, measured = measure(quick, ranks, runs_dir)
+    return clusters.dump(cluster, path, measured)
+
+
+def describe(doc: dict, against: str = "h100-sxm") -> str:
+    """A profile's figures, and on a GPU what moved against the preset's assumed constants."""
+    k = doc["kernels"]
+    best = max(r[3] for r in k["matmul_table"])
+    lines = [f"{doc['name']} ({doc['measured'].get('date', '')}): best matmul {best / 1e12:.3g} "
+             f"TFLOP/s ({k['matmul']:.0%} of the {doc['peak_flops'] / 1e12:.3g} TFLOP/s peak), "
+             f"memory {doc['memory_bandwidth'] / 1e9:.3g} GB/s, a kernel {k['launch'] * 1e6:.1f} us"]
+    lines += [f"  attention over {s} keys: forward {f / 1e12:.3g}, backward {b / 1e12:.3g} TFLOP/s"
+              for s, f, b in k["attention_table"]]
+    lines += [f"  {op} ({level}): {lat * 1e6:.1f} us a step, bus {bw / 1e9:.3g} GB/s"
+              for op, level, lat, bw in doc["ops"]]
+    gen = doc.get("generation")
+    if gen:
+        ref = clusters.PRESETS[against if gen == "H100" else "a100-80gb"]
+        lines.append(f"  against the {ref.name} preset: matmul share {k['matmul']:.3f} vs "
+                     f"{ref.kernels.matmul:.3f}, memory {doc['memory_bandwidth'] / ref.hbm:.0%} of "
+                     f"the data sheet")
+    return "\n".join(lines)
