@@ -8,11 +8,18 @@ checkpoint (the data of step s is a function of s).
 """
 from __future__ import annotations
 
-import pytest
-from helpers import TINY_GPT, final_state
+import json
+import subprocess
+import sys
 
-from dlab.core.config import ConfigError
+import pytest
+from helpers import TINY_GPT, assert_ranks_agree, final_state
+
+import dlab
+from dlab.core.config import ConfigError, RunConfig
+from dlab.core.rundir import JsonlTail, RunDir
 from dlab.procs.elastic import rehearse
+from dlab.procs.process import free_port
 
 #: a delay per step on rank 0 paces the run so the lost agent can come back before it ends
 PACE = {"kind": "slow", "rank": 0, "step": 0, "steps": 1000, "delay_s": 0.2}
@@ -31,8 +38,10 @@ def test_an_agent_lost_and_back_shrinks_grows_and_trains_the_same(runs_dir, refe
     steps = [m["step"] for m in e.run.metrics(0)]
     assert steps == list(range(CONFIG["steps"])), "every step once, in order (redone ones kept once)"
     ref = final_state(reference(**{k: v for k, v in CONFIG.items() if k != "checkpoint_every"}))
-    got = final_state(e.run)
-    assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+    for r in range(e.run.world_size):  # every rank of the final size, not rank 0's only
+        got = final_state(e.run, r)
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5, r
+    assert_ranks_agree(e.run)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -47,3 +56,45 @@ def test_bad_rehearsals_are_refused_before_any_process(runs_dir, kw, match):
     with pytest.raises(ConfigError, match=match):
         rehearse("ddp", runs_dir=runs_dir, **config)
     assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
+def start_with(configs: list[dict], steps: list[int]) -> str:
+    """Code for each rank of a spawn: the worker's agreement before training, on this rank's
+    config and first step (code, not a function: a rank cannot import this test module)."""
+    return ("import json\nfrom dlab.worker.main import agree_on_config, agree_on_step\n"
+            f"agree_on_config(json.loads({json.dumps(json.dumps(configs))})[rank])\n"
+            f"agree_on_step({steps}[rank])\n")
+
+
+def test_ranks_that_disagree_on_the_config_or_the_step_do_not_train_together(runs_dir):
+    base = RunConfig(strategy="ddp", world_size=2, **TINY_GPT).to_dict()
+    # rank 1 asks to resume in another way (allowed: the steps are compared) and has another lr
+    with pytest.raises(dlab.RunFailed, match=r"RanksDisagree(.|\n)*rank 1 has lr=0\.5 where rank 0 "
+                                             rf"has lr={base['lr']}\n") as info:
+        dlab.spawn(start_with([base, {**base, "lr": 0.5, "resume": "latest"}], [0, 0]), 2,
+                   runs_dir=runs_dir)
+    assert "resume" not in str(info.value).split("traceback")[0]
+    with pytest.raises(dlab.RunFailed, match=r"ranks \[1\] at step 0; ranks \[0\] at step 4"):
+        dlab.spawn(start_with([base, base], [4, 0]), 2, runs_dir=runs_dir)
+
+
+def _torchrun_worker(run_dir, *flags) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           f"--log-dir={run_dir / 'torchelastic'}", "-m", "dlab.worker", "--run-dir",
+           str(run_dir), "--elastic", "ddp", "--batch-size", "8", "--optimizer", "sgd",
+           "--checkpoint-every", "2", *(f"--model-opt={k}={v}" for k, v in
+                                        TINY_GPT["model_options"].items()), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_an_elastic_worker_started_with_flags_resumes_as_with_a_config(tmp_path):
+    """``--elastic`` with flags instead of ``--config``: every start resumes from the run's
+    newest checkpoint (a returning agent's ranks started from step 0 while the others resumed)."""
+    run_dir = tmp_path / "run"
+    first = _torchrun_worker(run_dir, "--steps", "4")
+    assert first.returncode == 0, first.stdout[-2000:]
+    again = _torchrun_worker(run_dir, "--steps", "6")
+    assert again.returncode == 0, again.stdout[-2000:]
+    records = JsonlTail(RunDir(run_dir).metrics_file(1)).read()
+    assert [m["step"] for m in records] == [0, 1, 2, 3, 4, 5], "steps 0-3 must not run again"

@@ -101,3 +101,15 @@ def test_a_rendezvous_port_taken_before_torchrun_binds_it_is_retried(runs_dir, m
     assert info["attempt"] == 2 and info["port"] != taken
     assert f"took rendezvous port {taken}" in (run.path / "torchrun.log").read_text()
     assert launched < 30 and run.state == "ok"
+
+
+def test_torchrun_leaves_nothing_in_the_temp_dir(runs_dir, tmp_path, monkeypatch):
+    """torchrun's agent makes a log directory (``torchelastic_*``) in the temp dir for every run
+    unless told where; a day of runs left hundreds. dlab gives it one inside the run directory."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # torchrun's, and its ranks'
+    run = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, **{**TINY_GPT, "steps": 1})
+    assert run.state == "ok"
+    assert not list(temp.glob("torchelastic_*")), [p.name for p in temp.iterdir()]
+    assert (run.path / "torchelastic").is_dir()

@@ -1,6 +1,9 @@
 """The warm rank pool (``dlab.procs.pool``, ``%dist_start``): variables live on every rank from cell
 to cell; a raising cell names its rank and the pool lives on; a hung or interrupted cell
-returns control within seconds and the pool works again; a killed kernel leaves no rank."""
+returns control within seconds and the pool works again; a rank that dies is named and the
+pool restarts at once, saying its variables are gone; a cell's results are always its own, in
+rank order, whatever they hold; bad arguments are refused before anything is sent or stopped;
+a killed kernel leaves no rank."""
 from __future__ import annotations
 
 import json
@@ -13,7 +16,9 @@ import time
 
 import psutil
 import pytest
+import torch
 
+from dlab.core.config import ConfigError
 from dlab.procs.cells import RankError
 from dlab.procs.pool import PoolRestarted, RankPool
 
@@ -30,6 +35,87 @@ def test_variables_live_on_every_rank_between_cells(pool):
     outputs, results, error = pool.run("result = (rank, x.item())\nprint('rank', rank, 'sees', x.item())")
     assert error is None and results == [(0, 3.0), (1, 3.0)]
     assert "rank 1 sees 3.0" in outputs.logs[1] and "rank 0 sees 3.0" in outputs.logs[0]
+
+
+def test_results_are_in_rank_order_when_rank_0_answers_last(pool):
+    """Rank 1 answers first and rank 0 a moment later: the list is still [rank 0's, rank 1's]
+    (results in the order the answers arrive would give [1, 0])."""
+    outputs, results, error = pool.run("import time\nif rank == 0:\n    time.sleep(0.5)\n"
+                                       "print('answering', rank)\nresult = rank")
+    assert error is None and results == [0, 1]
+    assert outputs.logs == ["answering 0\n", "answering 1\n"]
+
+
+def test_tensor_results_and_what_cannot_travel(pool):
+    """A tensor (and a structure holding tensors) comes back as itself; a value that does not
+    pickle comes back as its repr; the next cell's results are its own."""
+    _, results, error = pool.run("result = {'t': torch.full((2,), float(rank)), 'rank': rank}")
+    assert error is None and [r["rank"] for r in results] == [0, 1]
+    assert all(torch.equal(r["t"], torch.full((2,), float(i))) for i, r in enumerate(results))
+    _, results, error = pool.run("import threading\nresult = threading.Lock()")
+    assert error is None and all("lock" in r for r in results), results
+    _, results, error = pool.run("result = ('next', rank)")
+    assert error is None and results == [("next", 0), ("next", 1)]
+
+
+def test_a_rank_killed_between_cells_is_named_and_the_next_cell_is_not_run(pool):
+    pool.run("kept = rank")
+    before = pool.restarts
+    os.kill(pool.pids[1], signal.SIGKILL)
+    _wait_for_exit(pool, 1)
+    outputs, results, error = pool.run("result = kept")
+    assert isinstance(error, PoolRestarted) and error.rank == 1 and results is None
+    text = str(error)
+    assert "rank 1 killed by SIGKILL" in text and "every variable lost" in text
+    assert "NOT run" in text and pool.restarts == before + 1
+    _, results, error = pool.run("result = 'kept' in dir()")
+    assert error is None and results == [False, False]  # new ranks: said, not discovered
+
+
+def test_a_rank_killed_during_a_cell_is_named_not_a_survivor(pool):
+    """The survivor's collective fails with Gloo's "connection closed": a symptom. The error
+    names the dead rank and how it ended, and the pool is restarted at once (not at the next
+    cell, and never said to live on while a member is dead)."""
+    before = pool.restarts
+    _, results, error = pool.run("import os, signal\nif rank == 1:\n"
+                                 "    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+    assert isinstance(error, PoolRestarted) and error.rank == 1, error
+    assert "rank 1's process ended during the cell (killed by SIGKILL)" in str(error)
+    assert "every variable lost" in str(error) and "lives on" not in str(error)
+    assert pool.restarts == before + 1 and pool.alive()
+    _, results, error = pool.run("result = rank")
+    assert error is None and results == [0, 1]
+
+
+STALE = """
+import os
+from multiprocessing.connection import Connection
+from dlab.runtime.pool_rank import pack
+if rank == 1:  # an extra answer, numbered as the previous cell's, ahead of this cell's own
+    extra = Connection(os.dup(int(os.environ["DLAB_POOL_FD"])))
+    extra.send_bytes(pack({{"seq": {seq}, "ok": True, "output": "", "result": pack("stale")}}))
+    extra.close()
+result = ("own", rank)
+"""
+
+
+def test_an_answer_to_another_cell_is_never_taken_for_this_ones(pool):
+    """What a channel one message behind holds, planted: an answer to the previous cell waits
+    ahead of this cell's. It is dropped by its sequence number and the cell's own come back."""
+    _, results, error = pool.run(STALE.format(seq=pool.seq))
+    assert error is None and results == [("own", 0), ("own", 1)], results
+    _, results, error = pool.run("result = ('next', rank)")
+    assert error is None and results == [("next", 0), ("next", 1)], results
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, 0.0, float("inf")])
+def test_a_bad_timeout_is_refused_before_the_cell_is_sent(pool, timeout):
+    seq = pool.seq
+    with pytest.raises(ConfigError, match="positive number of seconds"):
+        pool.run("ran = True", timeout_s=timeout)
+    assert pool.seq == seq
+    _, results, error = pool.run("result = ('after', 'ran' in dir())")
+    assert error is None and results == [("after", False), ("after", False)]
 
 
 def test_a_raising_cell_names_its_rank_and_the_pool_lives_on(pool):
@@ -83,6 +169,12 @@ def test_a_cell_past_its_timeout_returns_and_the_pool_recovers(pool):
     assert error is None and results == [0, 1]
 
 
+def _wait_for_exit(pool, rank: int) -> None:
+    deadline = time.monotonic() + 10
+    while pool.procs[rank].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 KERNEL = """
 import json, sys, time
 from dlab.procs.pool import RankPool
@@ -129,3 +221,66 @@ def test_the_magics_run_cells_on_the_pool(tmp_path, capsys):
         assert res.success and shell.user_ns["fresh"] == [False, False]  # new processes
     finally:
         shell.run_line_magic("dist_stop", "")
+
+
+@pytest.fixture
+def shell(tmp_path):
+    """An IPython shell with the magics loaded and a warm pool of 2 ranks."""
+    from IPython.core.interactiveshell import InteractiveShell
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "dlab")
+    ip.run_line_magic("dist_start", f"-n 2 --runs-dir {tmp_path}")
+    yield ip
+    ip.run_line_magic("dist_stop", "")
+
+
+def test_after_a_tensor_a_bad_argument_and_a_killed_rank_each_cell_gets_its_own_results(shell):
+    """The sequence that left one rank's value a cell behind, silently: a tensor result (the
+    channel broke on it), a bad argument (a nan timeout failed after the cell was sent), a rank
+    killed mid-cell. After each, a cell's results are checked to be that cell's."""
+    def own(tag):
+        return [(tag, 0), (tag, 1)]
+
+    res = shell.run_cell("%%distributed -o t\nresult = torch.full((2,), float(rank))")
+    assert res.success, res.error_in_exec
+    assert [t.tolist() for t in shell.user_ns["t"]] == [[0.0, 0.0], [1.0, 1.0]]
+    assert shell.run_cell("%%distributed -o a\nresult = ('a', rank)").success
+    assert shell.user_ns["a"] == own("a")
+    for bad in ("--timeout nan -o b", "--timeout -1 -o b", "-n 0 -o b", "-o 1x"):
+        res = shell.run_cell(f"%%distributed {bad}\nran = True\nresult = ('b', rank)")
+        assert isinstance(res.error_in_exec, ConfigError), (bad, res.error_in_exec)
+    assert shell.run_cell("%%distributed -o c\nresult = ('c', 'ran' in dir(), rank)").success
+    assert shell.user_ns["c"] == [("c", False, 0), ("c", False, 1)]  # no bad cell ran
+    res = shell.run_cell("%%distributed -o killed\nimport os, signal\nif rank == 1:\n"
+                         "    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()\nresult = 1")
+    assert isinstance(res.error_in_exec, PoolRestarted) and res.error_in_exec.rank == 1
+    assert "killed" not in shell.user_ns
+    assert shell.run_cell("%%distributed -o d\nresult = ('d', rank)").success
+    assert shell.user_ns["d"] == own("d")
+
+
+def test_dist_start_refuses_bad_arguments_and_keeps_the_running_pool(shell, tmp_path):
+    from dlab.tools.magic import DistributedMagics
+    pool = DistributedMagics.pool
+    pids = pool.pids
+    shell.run_cell("%%distributed\nkept = rank")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for bad, words in (("-n 0", "at least 1 rank"), ("-n -2", "at least 1 rank"),
+                       ("--timeout -1", "positive number of seconds"),
+                       ("--timeout nan", "positive number of seconds"),
+                       (f"--runs-dir {a_file}", "is a file")):
+        with pytest.raises(ConfigError, match=words):
+            shell.run_line_magic("dist_start", bad)
+        assert DistributedMagics.pool is pool and pool.pids == pids and pool.alive(), bad
+    assert shell.run_cell("%%distributed -o k\nresult = kept").success
+    assert shell.user_ns["k"] == [0, 1]
+
+
+def test_fresh_cells_refuse_zero_ranks_before_starting_any(tmp_path):
+    from IPython.core.interactiveshell import InteractiveShell
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "dlab")
+    res = ip.run_cell(f"%%distributed --fresh -n 0 --runs-dir {tmp_path}\nresult = rank")
+    assert isinstance(res.error_in_exec, ConfigError) and "-n 0" in str(res.error_in_exec)
+    assert not any(tmp_path.iterdir())

@@ -3,6 +3,7 @@ a warning naming the file and line; a corrupt config.json is refused, naming the
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -66,3 +67,69 @@ def test_a_corrupt_config_is_refused_naming_the_file(tmp_path, text):
         dlab.attach(run.path)
     with pytest.raises(CorruptRunFile, match=r"run/config\.json"):
         dlab.Run(run.path).summary()
+
+
+def _finished_run(tmp_path) -> RunDir:
+    """A finished one-rank run written by hand: four steps, their events, an ok report."""
+    run = _run_dir(tmp_path)
+    run.metrics_file(0).write_text("".join(_record(s) for s in range(4)))
+    run.timeline_file(0).parent.mkdir()
+    run.timeline_file(0).write_text("".join(
+        json.dumps({"kind": kind, "step": s, "start": s + a, "end": s + b}) + "\n"
+        for s in range(4) for kind, a, b in (("forward", 0.0, 0.3), ("backward", 0.3, 0.8),
+                                             ("step", 0.0, 1.0))))
+    run.report_file(0).parent.mkdir()
+    run.report_file(0).write_text(json.dumps({"rank": 0, "ok": True, "time": 1.0}))
+    return run
+
+
+def _replace_line(path, number: int, text: str) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    lines[number - 1] = text + "\n"
+    path.write_text("".join(lines))
+
+
+@pytest.mark.parametrize("file, line, text, words", [
+    ("metrics", 2, json.dumps({"step": 1, "rank": 0, "step_time": 0.1}), "no 'loss' field"),
+    ("metrics", 3, _record(2).replace('"sent_bytes": 0', '"sent": 0').strip(),
+     "no 'comm.sent_bytes' field"),
+    ("metrics", 2, _record(1).replace('"loss": 0.5', '"loss": "low"').strip(),
+     "its 'loss' is 'low', not a number"),
+    ("metrics", 4, "[1, 2]", "a JSON list, not an object"),
+    ("timeline", 5, json.dumps({"step": 1, "start": 1.0, "end": 1.3}), "no 'kind' field"),
+    ("timeline", 1, json.dumps({"kind": "forward", "step": 0, "start": "0", "end": 0.3}),
+     "its 'start' is '0', not a number"),
+])
+def test_a_malformed_record_is_skipped_naming_file_and_line_and_the_rest_is_shown(
+        tmp_path, file, line, text, words):
+    run = _finished_run(tmp_path)
+    path = run.metrics_file(0) if file == "metrics" else run.timeline_file(0)
+    _replace_line(path, line, text)
+    view = dlab.attach(run.path)
+    with pytest.warns(UserWarning, match=rf"{file}/rank0\.jsonl, line {line}: a record with "
+                                         rf"{re.escape(words)}; skipped it"):
+        summary = view.summary()
+        events = view.timeline()
+        figure = view.plot()
+    assert summary.rows[0]["steps"] == (3 if file == "metrics" else 4)
+    assert len(events) == (12 if file == "metrics" else 11)
+    assert figure is not None
+
+
+@pytest.mark.parametrize("text", ["[]", '"ok"', "3", '[{"state": "ok"}]'])
+def test_a_status_that_is_json_but_not_an_object_is_named_and_the_rest_shown(tmp_path, text):
+    run = _finished_run(tmp_path)
+    (run.path / "status.json").write_text(text)
+    view = dlab.attach(run.path)
+    with pytest.warns(UserWarning, match=r"run/status\.json: holds a JSON \w+, not the object"):
+        assert view.state == "ok"  # what the ranks' reports say
+        assert [row["steps"] for row in view.summary().rows] == [4]
+        view.plot()
+
+
+def test_a_report_that_is_not_an_object_is_named_and_the_run_is_read_without_it(tmp_path):
+    run = _finished_run(tmp_path)
+    run.report_file(0).write_text('["ok"]')
+    with pytest.warns(UserWarning, match=r"ranks/rank0\.json: holds a JSON list"):
+        view = dlab.attach(run.path)
+        assert view.failure() is None and view.summary().rows[0]["steps"] == 4

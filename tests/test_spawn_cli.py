@@ -57,3 +57,34 @@ def test_env_says_what_sharing_cores_does_to_timings():
     done = subprocess.run([sys.executable, "-m", "dlab", "env", "--no-measure", "--ranks", "64"],
                           capture_output=True, text=True, timeout=60)
     assert "64 ranks up to" in done.stdout and "usable here" in done.stdout
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("the command started its work before refusing its arguments")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "single", "--steps", "1", "--json", "{missing}/s.json"], "does not exist"),
+    (["bench", "launch", "--json", "{missing}/rows.json"], "does not exist"),
+    (["check", "--quick", "--json", "{missing}/rows.json"], "does not exist"),
+    (["plan", "--json", "{missing}/rows.json"], "does not exist"),
+    (["plan", "--json", "{tmp}"], "is a directory"),
+    (["check", "--strategies", ","], "names no strategy"),
+    (["check", "--strategies", ""], "names no strategy"),
+])
+def test_every_cli_refuses_nonsense_before_it_works(argv, words, tmp_path, monkeypatch, capsys):
+    """A --json path that cannot be written, or an empty list of strategies, is found before
+    the command runs anything (not after a check or a bench of minutes)."""
+    from dlab.cli import main as cli
+    from dlab.cli import plan as plan_cli
+    from dlab.tools import check
+    for module, name in ((cli, "launch"), (cli, "run_bench"), (check, "run_check"),
+                         (plan_cli, "run")):
+        monkeypatch.setattr(module, name, _no_work)
+    argv = [a.format(missing=tmp_path / "missing", tmp=tmp_path) for a in argv]
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    assert code == 2
+    assert words in capsys.readouterr().err

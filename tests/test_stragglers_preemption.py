@@ -11,6 +11,11 @@
 """
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from helpers import TINY_GPT, assert_ranks_agree, final_state
@@ -19,6 +24,7 @@ import dlab
 from dlab.core.config import ConfigError, RunConfig
 from dlab.models import build
 from dlab.models.data import make_data, shard
+from dlab.runtime.preemption import PREEMPTED_EXIT
 
 DELAY = 0.25  # far above a tiny-GPT step (~10-20 ms here), so timing checks have a wide margin
 
@@ -111,8 +117,10 @@ def test_a_preempted_run_checkpoints_and_resumes_bit_for_bit(runs_dir):
     assert set(status["exit_codes"].values()) == {0}  # ended well, as reported
     resumed = dlab.launch("ddp", 2, runs_dir=runs_dir, wait=True, save_final=True,
                           resume=str(cut.path), **cfg)
-    a, b = final_state(whole), final_state(resumed)
-    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs from the whole one"
+    for r in range(2):  # every rank's replica, not rank 0's only
+        a, b = final_state(whole, r), final_state(resumed, r)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {r} resumed differs from whole"
+    assert_ranks_agree(resumed)
 
 
 @pytest.mark.parametrize("fault, words", [
@@ -132,3 +140,48 @@ def test_backup_must_leave_a_gradient(runs_dir):
     with pytest.raises(ConfigError) as e:
         dlab.launch("ps-backup", 2, runs_dir=runs_dir, options={"backup": 2}, **TINY_GPT)
     assert "backup < world_size" in str(e.value)
+
+
+TINY_FLAGS = ["--model-opt", "n_layer=2", "--model-opt", "d_model=32", "--model-opt", "n_head=2",
+              "--model-opt", "seq_len=32", "--batch-size", "8", "--optimizer", "sgd"]
+
+
+def _cli(runs_dir, *flags) -> list[str]:
+    return [sys.executable, "-m", "dlab", "run", "ddp", "-n", "2", "--runs-dir", str(runs_dir),
+            *TINY_FLAGS, *flags]
+
+
+def test_a_preempted_cli_run_exits_75_so_a_scheduler_requeues_it(runs_dir):
+    done = subprocess.run(_cli(runs_dir, "--steps", "6", "--checkpoint-every", "100",
+                               "--fault", "1:2:preempt"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == PREEMPTED_EXIT == 75, done.stderr[-2000:]
+    (run_dir,) = runs_dir.iterdir()
+    assert dlab.attach(run_dir).state == "preempted"
+    assert f"--resume {run_dir}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sigterm_to_the_cli_while_the_ranks_checkpoint_reads_preempted(runs_dir):
+    """Slurm's notice reaches the launcher (``python -m dlab run``) too: it gives the ranks the
+    time to write their last checkpoint, and the run then reads what they report, preempted
+    (not "stopped"), and the command exits 75."""
+    cli = subprocess.Popen(_cli(runs_dir, "--steps", "1000000", "--checkpoint-every", "1000",
+                                "--checkpoint-async"),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not [m for m in runs_dir.glob("*/metrics/rank1.jsonl") if m.stat().st_size] and (
+                time.monotonic() < deadline):
+            time.sleep(0.1)
+        cli.send_signal(signal.SIGTERM)
+        _, err = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    (run_dir,) = runs_dir.iterdir()
+    run = dlab.attach(run_dir)
+    assert cli.returncode == PREEMPTED_EXIT, err[-2000:]
+    reports = run.status()["ranks"].values()
+    assert run.state == "preempted" and all(r["preempted"] for r in reports), run.status()
+    (stop,) = {r["resume_from"] for r in reports}
+    assert (run_dir / "checkpoints").is_dir() and stop > 0

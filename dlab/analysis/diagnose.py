@@ -67,6 +67,15 @@ def _tail(text: str, n: int) -> str:
     return "\n".join(text.rstrip().splitlines()[-n:])
 
 
+def own_error(report: dict) -> bool:
+    """Whether a rank's failure is its own (a cause) rather than a symptom of a peer that went
+    away or never joined (a closed connection, a collective's timeout)."""
+    if report.get("in_torch"):  # its watchdog found it inside torch: maybe waiting on a peer
+        return False
+    text = f"{report.get('exception', '')} {report.get('message', '')}".lower()
+    return not any(p in text for p in PEER_GONE)
+
+
 def torchrun_exit_codes(run: RunDir) -> dict[int, int]:
     """Exit codes of failed ranks as torchrun's failure table lists them."""
     try:
@@ -100,27 +109,22 @@ def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | N
                              log_tail=_tail(_read(run / "torchrun.log"), 15))
         return None
 
-    def own_error(rep: dict) -> bool:
-        if rep.get("in_torch"):  # its watchdog found it inside torch: maybe waiting on a peer
-            return False
-        text = f"{rep.get('exception', '')} {rep.get('message', '')}".lower()
-        return not any(p in text for p in PEER_GONE)
-
-    own = sorted((rep["time"], r) for r, rep in raised.items() if own_error(rep))
+    own = sorted((rep.get("time", 0.0), r) for r, rep in raised.items() if own_error(rep))
     if own:
         r = own[0][1]
     elif silent:
         r = min(silent)
     else:
-        r = min((rep["time"], r) for r, rep in raised.items())[1]
+        r = min((rep.get("time", 0.0), r) for r, rep in raised.items())[1]
     rep = raised.get(r)
     if rep:
         hint = rep.get("hint", "")
         if hint and stopped:
             hint += (f" Rank(s) {stopped} made no report and were stopped at the teardown: "
                      f"the likely stuck one(s).")
-        return RunFailed(run, r, exception=rep["exception"], message=rep["message"],
-                         traceback=rep["traceback"], step=rep.get("step"), exit_code=exit_codes[r],
+        return RunFailed(run, r, exception=rep.get("exception", "an error"),
+                         message=rep.get("message", ""), traceback=rep.get("traceback", ""),
+                         step=rep.get("step"), exit_code=exit_codes[r],
                          hint=hint, exit_codes=exit_codes, unreported=stopped)
     return RunFailed(run, r, step=_last_step(run, r), exit_code=listed[r], exit_codes=exit_codes,
                      log_tail=_tail(run.log(r), 8))

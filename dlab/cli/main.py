@@ -14,9 +14,11 @@ from dlab.bench import run_bench
 from dlab.cli import plan as plan_cli
 from dlab.cli.env import format_report, report
 from dlab.core.config import ConfigError, add_arguments, from_args
+from dlab.core.rundir import FULL, disk_error
 from dlab.models.corpus import make_corpus
 from dlab.models.data import CORPUS
 from dlab.procs.launch import launch
+from dlab.runtime.preemption import PREEMPTED_EXIT
 from dlab.tools.check import main as check
 from dlab.tools.jupyter import main as lab
 
@@ -34,7 +36,7 @@ def _raise_interrupted(signum, _frame) -> None:
 
 
 def _check_json_path(path: str | None) -> None:
-    """Refuse an unwritable --json path before the run, not after it."""
+    """Refuse an unwritable --json path before the command works, not after it."""
     if not path:
         return
     target = Path(path)
@@ -50,27 +52,38 @@ def _check_json_path(path: str | None) -> None:
 
 def _run(args) -> int:
     cfg = from_args(args)
-    _check_json_path(args.json)
     # A terminal's Ctrl-C, coreutils' timeout (SIGTERM), Slurm's cancel (SIGTERM) and a closed
     # terminal (SIGHUP) all stop the run the same way: no process is left behind.
     previous = {sig: signal.signal(sig, _raise_interrupted)
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    run = None
     try:
-        run = launch(**cfg.to_dict(), runs_dir=args.runs_dir, wait=True, progress=True,
-                     timeout=args.deadline)
+        run = launch(**cfg.to_dict(), runs_dir=args.runs_dir, timeout=args.deadline)
+        run.wait(timeout=args.deadline, progress=True)
     except RunFailed as e:
         print(f"\nFAILED: {e}", file=sys.stderr)
         return 1
     except TimeoutError as e:
         print(f"\nFAILED: {e}; raise --deadline if the run needs longer", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if run is None or run.state != "preempted":
+            raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print(run.summary())
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(run.summary().to_dict(), f, indent=1)
+        try:
+            Path(args.json).write_text(json.dumps(run.summary().to_dict(), indent=1))
+        except OSError as e:
+            raise disk_error(e, args.json) from None
+    if run.state == "preempted":
+        # a scheduler's wrapper requeues on this status (the README's Slurm recipe)
+        step = next(iter(run.status().get("ranks", {}).values()), {}).get("resume_from")
+        print(f"\npreempted: every rank checkpointed step {step} and stopped; go on with "
+              f"--resume {run.path} (exit status {PREEMPTED_EXIT}: try again)", file=sys.stderr)
+        return PREEMPTED_EXIT
     return 0
 
 
@@ -80,7 +93,7 @@ def _bench(args) -> int:
 
 def _check(args) -> int:
     return check([*(["--quick"] if args.quick else []), *(["--json", args.json] if args.json else []),
-                  *(["--strategies", args.strategies] if args.strategies else []),
+                  *(["--strategies", args.strategies] if args.strategies is not None else []),
                   "--runs-dir", args.runs_dir])
 
 
@@ -153,12 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     pl.set_defaults(func=plan_cli.run)
     sub.add_parser("strategies", help="list the registered strategies").set_defaults(func=_strategies)
     sub.add_parser("corpus", help="write data/corpus.txt again").set_defaults(func=_corpus)
+    for command in (r, b, c, pl):  # each writes a file at --json (env's --json is a flag)
+        command.set_defaults(json_is_a_path=True)
     args = p.parse_args(argv)
     try:
+        if getattr(args, "json_is_a_path", False):
+            _check_json_path(args.json)  # before the work, not after it
         return args.func(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in FULL:
+            raise
+        # a full disk: said in one line, whatever wrote (what was set up is removed again,
+        # and a run that had started has recorded how it ended: dlab.core.rundir.reserve)
+        print(f"error: {disk_error(e, e.filename or 'the disk')}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         print(f"\ninterrupted by {signal.Signals(signum).name}: the run was stopped and no "

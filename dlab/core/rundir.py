@@ -6,6 +6,7 @@
       config.json              the RunConfig
       launch.json              how it was started (command, port, pid) - only when dlab launched it
       torchrun.log             torchrun's own output (agent messages, failure summary)
+      torchelastic/            torchrun's agent's per-attempt folders (its --log-dir)
       logs/rank{r}.log         each rank's stdout and stderr
       metrics/rank{r}.jsonl    one JSON object per step: loss, step_time, tokens/s, memory, comm
       timeline/rank{r}.jsonl   one JSON object per event: kind, step, start, end (seconds after
@@ -22,9 +23,12 @@ shared file system. Ranks never talk to the notebook in any other way.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import socket
+import threading
 import time
 import warnings
 from datetime import datetime
@@ -37,29 +41,161 @@ class CorruptRunFile(ValueError):
     """A file of a run directory that cannot be read as what it should hold."""
 
 
+#: what a write says when the disk is full, or the user's quota is
+FULL = (errno.ENOSPC, errno.EDQUOT)
+#: bytes set aside, when a run (``status.json``) or a rank (its report) starts, for the file
+#: that records how it ended: on a full disk it is overwritten in place, which needs no new
+#: block, so the end of a run is recorded even when nothing else can be written
+RESERVED_BYTES = 64 * 1024
+
+
+class DiskFull(OSError):
+    """A write found no space left on ``path``'s file system (ENOSPC, or EDQUOT: a quota)."""
+
+    def __init__(self, path, code: int = errno.ENOSPC):
+        super().__init__(code, f"no space left on {path}: free some space there, or write runs "
+                               f"elsewhere (runs_dir, --runs-dir)")
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def disk_error(error: OSError, path) -> OSError:
+    """``error`` as ``DiskFull`` naming ``path`` when it says the disk is full, else itself."""
+    if error.errno in FULL and not isinstance(error, DiskFull):
+        return DiskFull(path, error.errno)
+    return error
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write a new file (the one write of the run directory's whole files: tests make it fail
+    or hang, as a full or hung file system would)."""
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def write_json(path: Path, obj) -> None:
-    """Whole-file write by rename: a reader sees the old file or the new one, never half."""
+    """Whole-file write by rename: a reader sees the old file or the new one, never half. On a
+    full disk the temporary file is removed, and a file ``reserve`` set aside is overwritten in
+    place instead (it needs no new block); otherwise ``DiskFull`` names the path."""
     path = Path(path)
+    text = json.dumps(obj, indent=1, default=str)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    try:
+        _write_new(tmp, text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if e.errno in FULL and _overwrite_reserved(path, text):
+            return
+        raise disk_error(e, path) from None
+
+
+def reserve(path: Path) -> None:
+    """Set ``RESERVED_BYTES`` aside at ``path`` (blanks, which readers take for "not written
+    yet") for a record that must be written even on a full disk (``write_json``). Best effort:
+    a disk already full when the run starts leaves nothing to reserve."""
+    with contextlib.suppress(OSError):
+        _write_new(path, " " * RESERVED_BYTES)
+
+
+def _overwrite_reserved(path: Path, text: str) -> bool:
+    data = text.encode()
+    try:
+        if not path.is_file() or path.stat().st_size < len(data):
+            return False
+        with open(path, "r+b") as f:
+            f.write(data)
+            f.truncate()
+        return True
+    except OSError:
+        return False
+
+
+def within(seconds: float, fn, *args) -> bool:
+    """Call ``fn(*args)`` in a thread and wait at most ``seconds``: True when it returned (its
+    exception raised here), False when it is still blocked (a hung file system: the thread is
+    left to it, and whoever called goes on to its deadline)."""
+    outcome: list = []
+
+    def call():
+        try:
+            fn(*args)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome.append(e)
+
+    thread = threading.Thread(target=call, name=f"dlab-within-{getattr(fn, '__name__', 'call')}",
+                              daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        return False
+    if outcome[0] is not None:
+        raise outcome[0]
+    return True
 
 
 def read_json(path: Path, default=None):
     try:
         return json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return default
+
+
+def read_json_object(path: Path) -> dict | None:
+    """A file that must hold one JSON object (a status, a rank's report): the object, or None
+    when it is not there (yet) or not whole; a file that holds valid JSON of another kind is
+    reported with a warning naming it and read as not there, so the rest of the run is shown."""
+    obj = read_json(path)
+    if obj is not None and not isinstance(obj, dict):
+        warnings.warn(f"{path}: holds a JSON {type(obj).__name__}, not the object dlab writes "
+                      f"there; ignored it (restore or remove the file)", stacklevel=3)
+        return None
+    return obj
+
+
+Number = (int, float)
+#: what the summary and the figures read in every record, by the folder its file is in; a
+#: record without one of them (or with one of another kind) is skipped with a warning
+RECORD_FIELDS = {
+    "metrics": {("step",): int, ("loss",): Number, ("step_time",): Number,
+                ("tokens_per_s",): Number, ("mfu",): Number, ("memory",): dict,
+                ("comm", "sent_bytes"): Number, ("comm", "seconds"): Number},
+    "timeline": {("kind",): str, ("step",): int, ("start",): Number, ("end",): Number},
+}
+_KIND_NAMES = {int: "an integer", Number: "a number", dict: "an object", str: "a string"}
+
+
+def record_problem(record, fields: dict) -> str | None:
+    """What is wrong with ``record`` against ``fields`` (``RECORD_FIELDS``), or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    for path, kind in fields.items():
+        value = record
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        name = ".".join(path)
+        if value is None:
+            return f"no {name!r} field"
+        if not isinstance(value, kind) or (kind is not dict and isinstance(value, bool)):
+            return f"its {name!r} is {value!r}, not {_KIND_NAMES[kind]}"
+    return None
 
 
 class JsonlTail:
     """Reads the complete lines appended to a JSON-lines file since the last call. A line that
     is still being written (no newline yet) is left for next time. A complete line that is not
     JSON (a torn write: a rank killed mid-line, then a restart appending after it) is skipped
-    with a warning naming the file and the line number; the lines around it are kept."""
+    with a warning naming the file and the line number; the lines around it are kept. So is a
+    record that lacks what readers need of it (``fields``; by default ``RECORD_FIELDS`` of the
+    folder the file is in: ``metrics/``, ``timeline/``)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, fields: dict | None = None):
         self.path, self.offset, self.lines = Path(path), 0, 0
+        self.fields = RECORD_FIELDS.get(self.path.parent.name, {}) if fields is None else fields
 
     def read(self) -> list[dict]:
         try:
@@ -78,14 +214,20 @@ class JsonlTail:
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                records = [json.loads(line)]
             except (json.JSONDecodeError, UnicodeDecodeError):
-                kept = _record_after_torn_start(line)
-                out += kept
+                records = _record_after_torn_start(line)
                 warnings.warn(f"{self.path}, line {self.lines}: not a JSON record (a torn write, "
                               f"e.g. a rank killed mid-line); skipped the torn part"
-                              + (", kept the whole record appended after it" if kept else ""),
+                              + (", kept the whole record appended after it" if records else ""),
                               stacklevel=2)
+            for record in records:
+                problem = record_problem(record, self.fields) if self.fields else None
+                if problem:
+                    warnings.warn(f"{self.path}, line {self.lines}: a record with {problem}; "
+                                  f"skipped it, the other records are shown", stacklevel=2)
+                else:
+                    out.append(record)
         return out
 
 
@@ -117,15 +259,18 @@ class RunDir:
         """A new, unique directory ``root/<time>-<label>``; two runs started in the same second,
         from one process or two, get different directories (mkdir is atomic)."""
         root = Path(root)
-        root.mkdir(parents=True, exist_ok=True)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         for n in range(1000):
             path = root / (f"{stamp}-{label}" + (f"-{n}" if n else ""))
             try:
+                root.mkdir(parents=True, exist_ok=True)
                 path.mkdir()
-                return cls(path)
             except FileExistsError:
                 continue
+            except OSError as e:
+                raise disk_error(e, root) from None
+            reserve(path / "status.json")
+            return cls(path)
         raise RuntimeError(f"could not create a fresh run directory under {root}")
 
     # paths ------------------------------------------------------------------------------
@@ -177,15 +322,14 @@ class RunDir:
     def metrics(self, rank: int) -> list[dict]:
         """One record per step. After a restart a step may have run twice; the later attempt,
         the one the run went on from, is kept."""
-        records = JsonlTail(self.metrics_file(rank)).read()
-        by_step = {m["step"]: m for m in records if isinstance(m, dict) and "step" in m}
+        by_step = {m["step"]: m for m in JsonlTail(self.metrics_file(rank)).read()}
         return [by_step[s] for s in sorted(by_step)]
 
     def timeline(self, rank: int) -> list[dict]:
         return JsonlTail(self.timeline_file(rank)).read()
 
     def report(self, rank: int) -> dict | None:
-        return read_json(self.report_file(rank))
+        return read_json_object(self.report_file(rank))
 
     def log(self, rank: int) -> str:
         try:
@@ -204,7 +348,7 @@ class RunDir:
         host and no such process is alive now (a live pid counts only if its command line names
         this run directory, so a reused pid does not). Processes on another host cannot be
         checked from here: such a run stays "running"."""
-        final = read_json(self.path / "status.json")
+        final = read_json_object(self.path / "status.json")
         if final:
             return final
         reports = {r: self.report(r) for r in self.ranks()}
@@ -217,8 +361,8 @@ class RunDir:
 
     def _processes_gone(self) -> bool:
         here = socket.gethostname()
-        known = [read_json(self.path / "launch.json")]
-        known += [read_json(self.pid_file(r)) for r in self.ranks() if not self.report(r)]
+        known = [read_json_object(self.path / "launch.json")]
+        known += [read_json_object(self.pid_file(r)) for r in self.ranks() if not self.report(r)]
         known = [k for k in known if k]
         if not known or any(k.get("host") != here for k in known):
             return False
@@ -243,16 +387,23 @@ class RankWriter:
             (run.path / sub).mkdir(exist_ok=True)
         self._metrics = open(run.metrics_file(rank), "a")
         self._timeline = open(run.timeline_file(rank), "a")
+        reserve(run.report_file(rank))
         write_json(run.pid_file(rank), {"pid": os.getpid(), "host": socket.gethostname()})
 
     def metric(self, record: dict) -> None:
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
+        self._append(self._metrics, json.dumps(record) + "\n")
 
     def events(self, records: list[dict]) -> None:
         if records:
-            self._timeline.write("".join(json.dumps(r) + "\n" for r in records))
-            self._timeline.flush()
+            self._append(self._timeline, "".join(json.dumps(r) + "\n" for r in records))
+
+    @staticmethod
+    def _append(file, text: str) -> None:
+        try:
+            file.write(text)
+            file.flush()
+        except OSError as e:
+            raise disk_error(e, file.name) from None
 
     def report(self, **fields) -> None:
         write_json(self.run.report_file(self.rank),

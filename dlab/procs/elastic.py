@@ -41,8 +41,8 @@ from pathlib import Path
 import psutil
 
 from dlab.core.config import ConfigError, RunConfig
-from dlab.core.rundir import JsonlTail, RunDir
-from dlab.procs.launch import check_runs_dir
+from dlab.core.rundir import JsonlTail
+from dlab.procs.launch import agent_log_dir, check_runs_dir, new_run_dir
 from dlab.procs.process import (
     binds_its_port,
     free_port,
@@ -87,13 +87,14 @@ def rehearse(strategy: str = "ddp", agents: int = 2, nproc: int = 2, *, lose_at:
     full, small = agents * nproc, (agents - 1) * nproc
     cfg = _checked(strategy, full, small, lose_at, back_after, config)
     check_runs_dir(runs_dir)
-    run_dir = RunDir.create(runs_dir, cfg.name or f"{strategy}-elastic-{full}-{small}")
-    cfg.save(run_dir / "config.json")
+    with new_run_dir(runs_dir, cfg.name or f"{strategy}-elastic-{full}-{small}") as run_dir:
+        cfg.save(run_dir / "config.json")
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{agents}",
            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            f"--rdzv-id={run_dir.path.name}", f"--rdzv-conf={RDZV_CONF}",
-           f"--max-restarts={MAX_RESTARTS}", "--monitor-interval=0.1", "-m", "dlab.worker",
+           f"--max-restarts={MAX_RESTARTS}", "--monitor-interval=0.1",
+           f"--log-dir={agent_log_dir(run_dir)}", "-m", "dlab.worker",
            "--run-dir", str(run_dir.path.resolve()), "--config", str(run_dir / "config.json"),
            "--elastic"]
     env = worker_env(cfg.threads_per_rank, restarts=True)

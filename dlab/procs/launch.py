@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dlab.core.config import ConfigError, RunConfig
-from dlab.core.rundir import RunDir, write_json
+from dlab.core.rundir import RunDir, disk_error, write_json
 from dlab.procs.process import binds_its_port, free_port, kill_tree, spawn_tied_to_this_process, worker_env
 from dlab.procs.run import Run, track
 from dlab.worker.validate import validate
@@ -34,13 +37,15 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
     ``dashboard=True`` blocks with live charts. ``timeout`` bounds the whole run's wall time
     (seconds, a positive finite number, or None for no bound beyond ``timeout_s`` per step).
     """
-    _check_wall_timeout(timeout)
+    if timeout is not None:
+        check_seconds(timeout, "timeout (the run's wall deadline, --deadline on the command line)",
+                      "or None")
     cfg = validate(RunConfig.from_dict({"strategy": strategy, "world_size": world_size, **config}))
     check_runs_dir(runs_dir)
-    run_dir = RunDir.create(runs_dir, cfg.name or f"{strategy}-w{world_size}")
-    cfg.save(run_dir / "config.json")
-    run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
-                         threads=cfg.threads_per_rank, max_restarts=cfg.max_restarts)
+    with new_run_dir(runs_dir, cfg.name or f"{strategy}-w{world_size}") as run_dir:
+        cfg.save(run_dir / "config.json")
+        run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
+                             threads=cfg.threads_per_rank, max_restarts=cfg.max_restarts)
     if dashboard:
         from dlab.ui.dashboard import watch  # ipywidgets, a lab extra: loaded for a dashboard only
 
@@ -64,16 +69,36 @@ def check_runs_dir(runs_dir: str | Path) -> None:
         raise ConfigError(f"runs_dir {path} is not writable; choose a writable directory")
 
 
-def _check_wall_timeout(timeout) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-            math.isfinite(timeout) and timeout > 0):
-        raise ConfigError(f"timeout (the run's wall deadline, --deadline on the command line) must "
-                          f"be a positive number of seconds or None (got {timeout!r})")
+@contextmanager
+def new_run_dir(runs_dir: str | Path, label: str) -> Iterator[RunDir]:
+    """A fresh run directory for a run being set up. A write that fails before the run starts
+    (a full disk, most likely) removes it again, so no half-written directory is left to read
+    as a lost run, and a full disk is said as ``DiskFull`` ("no space left on <path>")."""
+    run_dir = RunDir.create(runs_dir, label)
+    try:
+        yield run_dir
+    except OSError as e:
+        shutil.rmtree(run_dir.path, ignore_errors=True)
+        raise disk_error(e, run_dir.path) from None
+
+
+def check_seconds(value, what: str, alternative: str = "") -> None:
+    """Refuse a deadline that is not a positive, finite number of seconds (nan, inf, 0, -1, a
+    string), naming ``what`` it is for, before anything starts."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ConfigError(f"{what} must be a positive number of seconds"
+                          f"{' ' + alternative if alternative else ''} (got {value!r})")
 
 
 RDZV_TRIES = 3
+
+
+def agent_log_dir(run_dir: RunDir) -> Path:
+    """Where torchrun's agent keeps its per-attempt folders: in the run directory. Without
+    ``--log-dir`` it makes a fresh ``torchelastic_*`` directory in the temp dir for every run
+    and never removes it (hundreds after a day of lessons)."""
+    return run_dir.path.resolve() / "torchelastic"
 
 
 def start_torchrun(run_dir: RunDir, nproc: int, args: list[str], threads: int = 1,
@@ -93,12 +118,17 @@ def start_torchrun(run_dir: RunDir, nproc: int, args: list[str], threads: int = 
                f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_dir.path.name}",
                f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+               f"--log-dir={agent_log_dir(run_dir)}",
                "-m", program, "--run-dir", str(run_dir.path.resolve()), *args]
         with open(run_dir / "torchrun.log", "ab") as log:
             proc = spawn_tied_to_this_process(cmd, log, env)
-        write_json(run_dir / "launch.json", {"command": cmd, "port": port, "pid": proc.pid,
-                                             "host": socket.gethostname(), "started": time.time(),
-                                             "attempt": attempt})
+        try:
+            write_json(run_dir / "launch.json", {"command": cmd, "port": port, "pid": proc.pid,
+                                                 "host": socket.gethostname(),
+                                                 "started": time.time(), "attempt": attempt})
+        except OSError:
+            kill_tree(proc, grace=1.0)  # a run whose launch cannot be recorded does not go on
+            raise
         if binds_its_port(proc, port):
             break
         kill_tree(proc, grace=1.0)

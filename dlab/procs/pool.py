@@ -9,16 +9,27 @@ the collectives it runs.
 
 What happens when a cell goes wrong:
 
-- it raises on some ranks and the others finish: the cell fails with the first failing rank's
-  exception and traceback; the pool and every rank's variables live on;
+- it raises on some ranks and the others finish: the cell fails with the failing rank's
+  exception and traceback (a rank's own error before a peer's "connection closed"); the pool
+  and every rank's variables live on;
 - it raises on one rank while the others wait for it in a collective, or it hangs, or the
   kernel is interrupted: the ranks that answered are shown, the others cannot be woken safely
   (a collective half done leaves the process group out of step), so the pool is restarted: new
   ranks, the variables lost, said in the error. Waiting stops at the cell's ``timeout_s`` or at
   the kernel's interrupt, whichever comes first;
+- a rank's process dies (killed, out of memory, ``os._exit``) during a cell or between cells:
+  the error names it and how it ended, and the pool is restarted at once, its variables lost
+  (the survivors' process group lost a member). A death between cells is found when the next
+  cell comes: that cell is not run (it would fail on a lost variable), the error says why;
 - the kernel dies: every rank watches its parent and exits (``pool_rank.watch_parent``).
 
-Each rank's own stdout and stderr (outside cells) go to ``runs/pool/rank{r}.log``.
+Every cell's message carries a sequence number that its answers carry back, and an answer to
+any other cell is dropped: a cell's results are always its own (``pool_rank`` says why this was
+not so when a tensor ``result`` broke the channel). Results come back in rank order whatever
+order the ranks answer in.
+
+Each rank's own stdout and stderr (outside cells) go to ``runs/pool/rank{r}.log``; a restart
+keeps the previous ranks' as ``rank{r}.previous.log`` (a dead rank's last words).
 """
 from __future__ import annotations
 
@@ -32,12 +43,33 @@ import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from dlab.analysis.diagnose import own_error
+from dlab.core.config import ConfigError
 from dlab.procs.cells import RankError, RankOutputs, cell_traceback
-from dlab.procs.process import free_port
+from dlab.procs.launch import check_runs_dir, check_seconds
+from dlab.procs.process import exit_text, free_port
+from dlab.runtime.pool_rank import pack, unpack
+
+#: seconds the ranks that are still busy get, once one rank failed, to answer too
+GRACE_S = 2.0
 
 
 class PoolRestarted(RuntimeError):
-    """The pool could not get every rank back and started new ones: state is gone."""
+    """The pool could not get every rank back and started new ones: state is gone. ``rank``
+    names the rank whose process died, when one did."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+def check_pool(nprocs, start_timeout_s, log_dir) -> None:
+    """Refuse what cannot make a pool, before any rank starts (and before ``%dist_start``
+    stops the running one): ``ConfigError`` says what to change."""
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ConfigError(f"a pool needs at least 1 rank (got {nprocs!r}); use -n 2, for example")
+    check_seconds(start_timeout_s, "the pool's start-up deadline (%dist_start --timeout)")
+    check_runs_dir(log_dir)
 
 
 class RankPool:
@@ -45,13 +77,13 @@ class RankPool:
 
     def __init__(self, nprocs: int = 2, start_timeout_s: float = 60.0, log_dir: str | Path = "runs/pool",
                  backend: str = "gloo"):
-        if nprocs < 1:
-            raise ValueError(f"a pool needs at least 1 rank (got nprocs={nprocs})")
+        check_pool(nprocs, start_timeout_s, log_dir)
         self.nprocs, self.start_timeout_s, self.backend = nprocs, start_timeout_s, backend
         self.log_dir = Path(log_dir)
         self.procs: list[subprocess.Popen] = []
         self.conns: list = []
         self.restarts = 0
+        self.seq = 0  # the number of the cell in progress (or the last one)
         self._start()
         atexit.register(self._kill)  # a kernel that exits cleanly takes its ranks along
 
@@ -66,7 +98,10 @@ class RankPool:
                "DLAB_POOL_BACKEND": self.backend}
         for r in range(self.nprocs):
             mine, theirs = socket.socketpair()
-            with open(self.log_dir / f"rank{r}.log", "w") as log:
+            log_file = self.log_file(r)
+            if log_file.exists():
+                log_file.replace(self.log_dir / f"rank{r}.previous.log")
+            with open(log_file, "w") as log:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "dlab.runtime.pool_rank"],
                     env={**env, "RANK": str(r), "DLAB_POOL_FD": str(theirs.fileno())},
@@ -81,14 +116,17 @@ class RankPool:
                 while not c.poll(0.1):
                     if self.procs[r].poll() is not None:
                         raise RuntimeError(f"pool rank {r} exited while starting; see "
-                                           f"{self.log_dir / f'rank{r}.log'}")
+                                           f"{self.log_file(r)}")
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"pool rank {r} did not join the process group within "
                                            f"{self.start_timeout_s:g} s; see {self.log_dir}")
-                c.recv()
+                c.recv_bytes()
         except BaseException:
             self._kill()
             raise
+
+    def log_file(self, rank: int) -> Path:
+        return self.log_dir / f"rank{rank}.log"
 
     def _kill(self) -> None:
         for c in self.conns:
@@ -112,7 +150,7 @@ class RankPool:
     def close(self) -> None:
         for c in self.conns:
             try:
-                c.send(None)
+                c.send_bytes(pack(None))
             except OSError:
                 pass
         deadline = time.monotonic() + 2.0
@@ -138,17 +176,27 @@ class RankPool:
 
     # --- cells ----------------------------------------------------------------------------
     def run(self, cell: str, timeout_s: float = 60.0) -> tuple[RankOutputs, list | None, Exception | None]:
-        """Run ``cell`` on every rank. Returns (outputs, results or None, error or None), as
-        ``magic.run_cell`` does; a hang, a rank stuck behind a failed one, or an interrupt
-        (KeyboardInterrupt while waiting) restarts the pool and returns a ``PoolRestarted``
-        error."""
-        if not self.alive():
-            self.restart()
+        """Run ``cell`` on every rank. Returns (outputs, results in rank order or None, error or
+        None), as ``magic.run_cell`` does; a hang, a rank stuck behind a failed one, a rank
+        that died, or an interrupt (KeyboardInterrupt while waiting) restarts the pool and
+        returns a ``PoolRestarted`` error. A bad ``timeout_s`` is refused before anything is
+        sent (``ConfigError``)."""
+        check_seconds(timeout_s, "a cell's timeout (%%distributed --timeout)")
+        if not isinstance(cell, str):
+            raise TypeError(f"a cell is a str of Python code (got {type(cell).__name__})")
+        dead = {r: exit_text(p.poll()) for r, p in enumerate(self.procs) if p.poll() is not None}
+        if dead or not self.procs:
+            return self._restarted_between_cells(dead)
+        self.seq += 1
         start = time.monotonic()
-        for c in self.conns:
-            c.send(cell)
         replies: dict[int, dict] = {}
         pending = dict(enumerate(self.conns))
+        for r, c in list(pending.items()):
+            try:
+                c.send_bytes(pack({"seq": self.seq, "cell": cell}))
+            except OSError:  # its end is closed: the process is gone
+                replies[r] = self._died(r)
+                del pending[r]
         why = None
         try:
             while pending:
@@ -156,49 +204,106 @@ class RankPool:
                 if left <= 0:
                     why = f"the cell ran past its timeout ({timeout_s:g} s)"
                     break
-                # short waits, so that an interrupt is seen however it arrives
-                ready = wait(list(pending.values()), timeout=min(left, 0.2))
-                for r, c in list(pending.items()):
-                    if c in ready:
-                        try:
-                            replies[r] = c.recv()
-                        except EOFError:
-                            replies[r] = {"ok": False, "exception": "RankDied", "output": "",
-                                          "message": "the rank's process ended", "traceback": ""}
-                        del pending[r]
+                self._collect(pending, replies, left)
                 if any(not rep["ok"] for rep in replies.values()) and pending:
                     # the others may be waiting for the failed rank in a collective: a short grace
-                    grace = wait(list(pending.values()), timeout=2.0)
-                    if not grace:
-                        why = "a rank raised while the others waited for it"
+                    end = time.monotonic() + GRACE_S
+                    while pending and (left := end - time.monotonic()) > 0:
+                        self._collect(pending, replies, left)
+                    if pending:
+                        why = "a rank failed while the others waited for it"
                         break
         except KeyboardInterrupt:
             why = "interrupted"
         elapsed = time.monotonic() - start
         return self._outcome(cell, replies, why, elapsed)
 
+    def _receive(self, r: int) -> dict | None:
+        """Rank ``r``'s answer to the cell in progress, with its result loaded; None for an
+        answer to an earlier cell (dropped: never taken for this cell's)."""
+        try:
+            answer = unpack(self.conns[r].recv_bytes())
+        except (EOFError, OSError):
+            return self._died(r)
+        if answer.get("seq") != self.seq:
+            return None
+        if answer["ok"]:
+            try:
+                answer["result"] = unpack(answer["result"])
+            except Exception as e:  # noqa: BLE001 - a class or module the kernel does not have
+                answer.update(ok=False, exception=type(e).__name__, traceback="",
+                              message=f"rank {r}'s `result` pickled there but cannot be loaded "
+                                      f"in the kernel ({e}); send plain values (numbers, "
+                                      f"lists, tensors)")
+        return answer
+
+    def _collect(self, pending: dict, replies: dict, left: float) -> None:
+        """Wait up to ``left`` seconds (in short waits, so that an interrupt is seen however it
+        arrives) for answers, and move those that came from ``pending`` to ``replies``."""
+        ready = wait(list(pending.values()), timeout=min(left, 0.2))
+        for r, c in list(pending.items()):
+            if c in ready and (reply := self._receive(r)) is not None:
+                replies[r] = reply
+                del pending[r]
+
+    def _died(self, r: int) -> dict:
+        try:
+            code = self.procs[r].wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        return {"ok": False, "died": True, "exception": "RankDied", "output": "", "traceback": "",
+                "message": f"rank {r}'s process ended during the cell ({exit_text(code)})"}
+
+    def _restarted_between_cells(self, dead: dict[int, str]):
+        n = self.nprocs
+        who = "; ".join(f"rank {r} {how}" for r, how in dead.items()) or "the pool was stopped"
+        self.restart()
+        last = ", ".join(str(self.log_dir / f"rank{r}.previous.log") for r in dead)
+        message = (f"the warm pool lost a rank since the last cell ({who}"
+                   + (f"; its last output: {last}" if last else "")
+                   + f"), so it was restarted: {n} new ranks, every variable lost. This cell was "
+                     f"NOT run: run the cells it needs again")
+        outputs = RankOutputs(["[not run]"] * n, None, None, "FAILED: " + message)
+        return outputs, None, PoolRestarted(message, rank=next(iter(dead), None))
+
     def _outcome(self, cell: str, replies: dict, why: str | None, elapsed: float):
         n = self.nprocs
-        logs = [replies[r]["output"] if r in replies else "[no answer]" for r in range(n)]
-        failed = next((r for r in range(n) if r in replies and not replies[r]["ok"]), None)
+        failed = [r for r in range(n) if r in replies and not replies[r]["ok"]]
+        logs = [_shown(replies.get(r)) for r in range(n)]
+        died = [r for r in failed if replies[r].get("died")]
+        # the cause: a rank that died, else a rank's own error, before a peer's symptom of it
+        cause = next(iter(died or [r for r in failed if own_error(replies[r])] or failed), None)
+        if died:
+            why = "; ".join(replies[r]["message"] for r in died)
         if why is not None:
             stuck = [r for r in range(n) if r not in replies]
             self.restart()
-            summary = (f"FAILED: {why}; rank(s) {stuck} did not answer, so the pool was restarted: "
-                       f"{n} new ranks, every variable lost")
-            error = PoolRestarted(summary)
-            if failed is not None:
-                rep = replies[failed]
-                error = RankError(failed, rep["exception"], rep["message"] + f" ({summary})",
+            summary = (f"FAILED: {why}"
+                       + (f"; rank(s) {stuck} did not answer" if stuck else "")
+                       + f"; the pool was restarted: {n} new ranks, every variable lost")
+            error = PoolRestarted(summary, rank=died[0] if died else None)
+            if cause is not None and not died:
+                rep = replies[cause]
+                error = RankError(cause, rep["exception"], rep["message"] + f" ({summary})",
                                   cell_traceback(rep["traceback"], cell), self.log_dir,
                                   logs=f"{self.log_dir}/rank{{r}}.log")
-            return RankOutputs(logs, None, failed, summary), None, error
+            return RankOutputs(logs, None, cause, summary), None, error
         summary = f"{n} ranks of the warm pool, {elapsed * 1e3:.0f} ms"
-        if failed is None:
+        if cause is None:
             results = [replies[r]["result"] for r in range(n)]
             return RankOutputs(logs, results, None, summary), results, None
-        rep = replies[failed]
-        error = RankError(failed, rep["exception"], rep["message"],
+        rep = replies[cause]
+        error = RankError(cause, rep["exception"], rep["message"],
                           cell_traceback(rep["traceback"], cell), self.log_dir,
-                                  logs=f"{self.log_dir}/rank{{r}}.log")
-        return RankOutputs(logs, None, failed, "FAILED: " + summary + "; the pool lives on"), None, error
+                          logs=f"{self.log_dir}/rank{{r}}.log")
+        return RankOutputs(logs, None, cause, "FAILED: " + summary + "; the pool lives on"), None, error
+
+
+def _shown(reply: dict | None) -> str:
+    """What a rank printed, and how its part of the cell ended when it did not end well."""
+    if reply is None:
+        return "[no answer]"
+    if reply["ok"]:
+        return reply["output"]
+    why = (reply.get("message") or "").strip().splitlines()[:1]
+    return reply["output"] + f"[{reply['exception']}: {why[0] if why else ''}]"

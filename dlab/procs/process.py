@@ -141,6 +141,18 @@ def _die_with(prctl, parent: int) -> None:
         os._exit(1)
 
 
+def exit_text(code: int | None) -> str:
+    """How a process ended, in words: "killed by SIGKILL", "exited with code 3"."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def kill_tree(proc: subprocess.Popen, grace: float) -> None:
     procs = process_tree(proc)
     try:

@@ -13,15 +13,21 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 import weakref
 from pathlib import Path
 
 from dlab.analysis.reader import RunView, open_run
-from dlab.core.rundir import preempted_or_ok, write_json
+from dlab.core.rundir import preempted_or_ok, within, write_json
 from dlab.procs.process import kill_tree
 from dlab.ui.plots import plot
 
 _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+#: seconds a checkpointing run gets to stop after a SIGTERM reached its launcher: torchrun's
+#: agent gives its ranks 30 s after passing the signal on, then kills them; a little over that
+PREEMPT_GRACE_S = 35.0
+#: seconds the launcher waits for the run directory to take the record of a run's end
+RECORD_WITHIN_S = 10.0
 
 
 def track(run: Run) -> Run:
@@ -83,8 +89,8 @@ class Run(RunView):
                     bar.update(record)
                 if self._a_rank_failed() and not self.config.get("max_restarts"):
                     self._give_torchrun(2.0)
-        except BaseException:
-            self.stop(reason="interrupted")
+        except BaseException as e:
+            self.stop(grace=self._grace_for(e), reason="interrupted")
             raise
         finally:
             if bar:
@@ -97,6 +103,16 @@ class Run(RunView):
                                f"without a final status (killed with kill -9, or its kernel "
                                f"died); what it wrote so far is still readable")
         return self
+
+    def _grace_for(self, interruption: BaseException) -> float:
+        """Seconds the run's processes get to end on their own once this wait is interrupted: a
+        SIGTERM that reached the launcher (``getattr(e, "signum")``: the CLI's, as Slurm or
+        ``timeout`` send it) is a scheduler's notice, and a run that checkpoints then gets the
+        time torchrun gives its ranks to write their last checkpoint; anything else, 2 s."""
+        if getattr(interruption, "signum", None) == signal.SIGTERM and self.config.get(
+                "checkpoint_every"):
+            return PREEMPT_GRACE_S
+        return 2.0
 
     def _a_rank_failed(self) -> bool:
         return any((rep := self.dir.report(r)) and not rep.get("ok") for r in self.dir.ranks())
@@ -134,8 +150,25 @@ class Run(RunView):
         self._finish(reason)
 
     def _finish(self, reason: str | None = None) -> None:
+        """Record how the run ended in ``status.json``, once. The record is made in a thread
+        given ``RECORD_WITHIN_S``: a hung file system must not hold the caller past its
+        deadline (the run then reads "lost" until its directory answers again), and a full
+        disk is said in a warning, not raised over the run's own outcome."""
         if self._ended_as is not None or self.proc is None:
             return
+        self._ended_as = reason or "ended"  # never finished twice, whatever the record does
+        _LIVE.discard(self)
+        try:
+            if within(RECORD_WITHIN_S, self._record, reason):
+                return
+            why = (f"its directory did not answer within {RECORD_WITHIN_S:g} s (a hung file "
+                   f"system?)")
+        except OSError as e:
+            why = str(e)
+        warnings.warn(f"the end of run {self.path} ({self._ended_as}) is not recorded in "
+                      f"status.json: {why}", stacklevel=3)
+
+    def _record(self, reason: str | None) -> None:
         failure = self.failure()
         reports = {r: self.dir.report(r) for r in self.dir.ranks()}
         ended_well = bool(reports) and all(rep and rep.get("ok") for rep in reports.values())
@@ -143,13 +176,14 @@ class Run(RunView):
             preempted_or_ok(reports) if ended_well else "failed"))
         if state == "interrupted" and failure is None:
             state = "stopped"
+        if ended_well and preempted_or_ok(reports) == "preempted":
+            state = "preempted"  # stopped by a SIGTERM, the ranks checkpointed it as a notice
         exit_codes = failure.exit_codes if failure else {r: 0 for r in self.dir.ranks()}
         self._ended_as = state
         write_json(self.dir / "status.json", {
             "state": state, "torchrun_exit": self.proc.returncode, "exit_codes": exit_codes,
             "failed_rank": failure.rank if failure else None, "ended": time.time(),
             "ranks": reports})
-        _LIVE.discard(self)
 
 
 class _Progress:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dlab.core.config import FIELDS, ConfigError, RunConfig
 from dlab.core.rundir import RunDir, write_json
-from dlab.procs.launch import check_runs_dir, start_torchrun
+from dlab.procs.launch import check_runs_dir, new_run_dir, start_torchrun
 
 
 def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str | Path = "runs",
@@ -33,14 +33,14 @@ def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str
         target = {"module": fn.__module__, "file": getattr(module, "__file__", None),
                   "function": fn.__qualname__}
     check_runs_dir(runs_dir)
-    run_dir = RunDir.create(runs_dir, name or "spawn")
-    # the run directory's contract: its world size; what it runs is call.pkl, not a strategy
-    write_json(run_dir / "config.json", {"world_size": world_size, "timeout_s": timeout_s,
-                                         "call": target.get("function", "<cell>")})
-    with open(run_dir / "call.pkl", "wb") as f:
-        pickle.dump({**target, "args": args, "kwargs": kwargs}, f)
-    run = start_torchrun(run_dir, world_size, ["--timeout", str(timeout_s)],
-                         program="dlab.runtime.call")
+    with new_run_dir(runs_dir, name or "spawn") as run_dir:
+        # the run directory's contract: its world size; what it runs is call.pkl, not a strategy
+        write_json(run_dir / "config.json", {"world_size": world_size, "timeout_s": timeout_s,
+                                             "call": target.get("function", "<cell>")})
+        with open(run_dir / "call.pkl", "wb") as f:
+            pickle.dump({**target, "args": args, "kwargs": kwargs}, f)
+        run = start_torchrun(run_dir, world_size, ["--timeout", str(timeout_s)],
+                             program="dlab.runtime.call")
     run.wait(timeout=timeout)
     return results(run_dir)
 

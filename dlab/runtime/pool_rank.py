@@ -6,6 +6,16 @@ cells (``rank``, ``world_size``, ``dist`` and ``torch`` to start with), captures
 prints, and answers with that output, its ``result`` variable and, if the cell raised, the
 exception and traceback. A cell that raises does not end the rank.
 
+The wire (``pack`` / ``unpack``): every message is one plain ``pickle`` of a dict, sent as bytes.
+Not ``Connection.send``: it pickles with multiprocessing's pickler, to which torch gives tensors a
+reduction that shares their memory through a file descriptor fetched, on loading, from the
+sender's resource sharer with multiprocessing's authentication key, which a process the pool
+started with ``subprocess`` does not share: loading a tensor ``result`` in the kernel raised
+``AuthenticationError``, after the reply had been read. Plain pickle copies the tensor's bytes.
+A cell's message carries a sequence number and its answer carries it back (``seq``), so the
+pool never takes one cell's answer for another's. The ``result`` travels pickled on its own
+inside the answer: an answer whose result the kernel cannot load is still an answer to its cell.
+
 It never outlives its pool: a thread watches the parent process (the notebook's kernel) and
 ends the rank the moment the parent is gone, even while the main thread is stuck in a
 collective, and closing the pool's connection ends it too.
@@ -32,23 +42,31 @@ def watch_parent(parent: int, every_s: float = 0.2) -> None:
     threading.Thread(target=watch, daemon=True, name="dlab-parent-watch").start()
 
 
-def picklable(value):
-    """``value`` if it pickles, else its repr (a tensor pickles; a module does not)."""
+def pack(message) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(data: bytes):
+    return pickle.loads(data)  # noqa: S301 - the pool's own ranks, over a socket pair it made
+
+
+def pickled_result(value) -> tuple[bytes, bool]:
+    """``value`` pickled, and True; or, when it does not pickle (a module, a lock, a class
+    defined in the cell), its repr pickled, and False: it is shown, not sent."""
     try:
-        pickle.dumps(value)
-        return value
+        return pack(value), True
     except Exception:  # noqa: BLE001 - anything unpicklable is shown, not sent
-        return repr(value)
+        return pack(repr(value)), False
 
 
 def run_one(code: str, scope: dict) -> dict:
     out = io.StringIO()
-    reply = {"ok": True, "output": "", "result": None}
+    reply = {"ok": True, "output": "", "result": None, "sent": True}
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             scope.pop("result", None)
             exec(compile(code, "<cell>", "exec"), scope)  # noqa: S102 - the user's own cell
-            reply["result"] = picklable(scope.get("result"))
+            reply["result"], reply["sent"] = pickled_result(scope.get("result"))
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: the rank lives on
             reply.update(ok=False, exception=type(e).__name__, message=str(e),
                          traceback=traceback.format_exc())
@@ -67,15 +85,15 @@ def main() -> None:
     dist.init_process_group(env.get("DLAB_POOL_BACKEND", "gloo"), rank=rank, world_size=world)
     scope = {"rank": rank, "world_size": world, "dist": dist, "torch": torch,
              "__name__": "__dlab_cell__"}
-    conn.send({"ready": True})
+    conn.send_bytes(pack({"ready": True}))
     while True:
         try:
-            message = conn.recv()
+            message = unpack(conn.recv_bytes())
         except (EOFError, OSError):
             break  # the pool is gone
         if message is None:
             break
-        conn.send(run_one(message, scope))
+        conn.send_bytes(pack({**run_one(message["cell"], scope), "seq": message["seq"]}))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 

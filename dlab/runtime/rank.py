@@ -9,6 +9,7 @@ without torchrun, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -23,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dlab.core.rundir import RankWriter, RunDir
-from dlab.runtime.watchdog import StepWatchdog
+from dlab.core.rundir import RankWriter, RunDir, within
+from dlab.runtime.watchdog import LAST_WORDS_S, StepWatchdog
 
 #: seconds a rank whose collective timed out waits before exiting, so that the peer it waited
 #: for, if stuck outside a collective, reports itself (its watchdog's deadline started earlier)
@@ -117,11 +118,21 @@ def serve(writer: RankWriter, timeout_s: float, body: Callable[[dict], dict | No
             os._exit(code)
     except BaseException as exc:  # noqa: BLE001 - every failure must leave a report
         watchdog.stop()
-        tb = traceback.format_exc()
-        print(tb, file=sys.stderr, flush=True)
+        tb, error, message = traceback.format_exc(), type(exc).__name__, str(exc)
         hint = timeout_hint(exc, timeout_s)
-        writer.report(ok=False, step=state["step"], exception=type(exc).__name__,
-                      message=str(exc), traceback=tb, hint=hint)
+
+        def last_words() -> None:
+            # the report first (on a full disk it takes the space set aside for it), the log
+            try:
+                writer.report(ok=False, step=state["step"], exception=error, message=message,
+                              traceback=tb, hint=hint)
+            finally:
+                print(tb, file=sys.stderr, flush=True)
+
+        # a full or hung disk must not keep a failed rank alive: what cannot be written in
+        # LAST_WORDS_S is given up
+        with contextlib.suppress(BaseException):
+            within(LAST_WORDS_S, last_words)
         if hint:
             time.sleep(SYMPTOM_GRACE_S)
         os._exit(1)

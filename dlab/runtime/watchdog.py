@@ -6,7 +6,9 @@ hung file system) has no such deadline; its peers then time out waiting for it a
 symptom, while the cause stays silent. So every rank runs a watchdog thread that watches the
 step in progress (``state["step"]``, set by the training loop): when one step has run longer
 than ``timeout_s`` it writes the rank's report, with where the main thread is stuck (its
-stack), and ends the process, which makes torchrun end the run.
+stack), and ends the process, which makes torchrun end the run. On a hung file system those
+writes block like the main thread's: they get ``LAST_WORDS_S`` in a thread of their own, and
+the process ends then whether they were written or not.
 
 When the main thread is inside torch (its innermost Python frame is torch's), it may be
 waiting on a collective - explicitly, or inside backward, where DDP's reducer waits for its
@@ -18,6 +20,7 @@ cause, and it reports at the first deadline, before the peers waiting for it.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -25,7 +28,11 @@ import threading
 import time
 import traceback
 
+from dlab.core.rundir import within
+
 POLL_S = 0.1
+#: seconds a rank's last report and log lines get before it exits anyway (a hung disk)
+LAST_WORDS_S = 5.0
 BACKSTOP_FACTOR, BACKSTOP_EXTRA_S = 2, 5.0  # inside torch: 2 x the deadline + 5 s
 
 
@@ -77,11 +84,22 @@ class StepWatchdog:
                 f"look at the stack for the line that never returns; raise timeout_s if the "
                 f"step is just slow.")
         stack = "".join(traceback.format_list(frames))
-        print(f"dlab watchdog: {message}\nmain thread:\n{stack}", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(all_threads=True)
-        self.writer.report(ok=False, step=step, exception="StepDeadline", message=message,
-                           traceback="Main thread (most recent call last):\n" + stack, hint=hint,
-                           in_torch=in_torch)
+
+        def last_words() -> None:
+            # the report first: it is what the launcher reads; the log after it
+            try:
+                self.writer.report(ok=False, step=step, exception="StepDeadline",
+                                   message=message, hint=hint, in_torch=in_torch,
+                                   traceback="Main thread (most recent call last):\n" + stack)
+            finally:
+                print(f"dlab watchdog: {message}\nmain thread:\n{stack}", file=sys.stderr,
+                      flush=True)
+                faulthandler.dump_traceback(all_threads=True)
+
+        # A hung file system (the very thing that may have stuck the main thread) blocks these
+        # writes too: they get LAST_WORDS_S, and the process ends at its deadline regardless.
+        with contextlib.suppress(BaseException):
+            within(LAST_WORDS_S, last_words)
         os._exit(1)
 
 

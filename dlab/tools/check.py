@@ -213,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", help="comma-separated strategies to check instead (e.g. ddp,zero3)")
     args = p.parse_args(argv)
     strategies = None
-    if args.strategies:
+    if args.strategies is not None:
         strategies = [n.strip() for n in args.strategies.split(",") if n.strip()]
+        if not strategies:
+            p.error(f"--strategies {args.strategies!r} names no strategy; give at least one "
+                    f"(e.g. ddp,zero3), or leave --strategies out to check them all")
         unknown = [n for n in strategies if n not in parallel.names() or n == "single"]
         if unknown:
             p.error(f"--strategies: {', '.join(unknown)} not checkable; choose from "

@@ -22,7 +22,9 @@ the full logs.
 With a warm pool (``%dist_start -n 4``; ``%dist_restart``, ``%dist_stop``; ``dlab.procs.pool``),
 ``%%distributed`` runs on the pool's ranks instead: no start-up, and each rank's variables are
 kept from cell to cell. ``--fresh`` runs one cell on new processes even then (a cell that must
-start clean). If a cell hangs, runs past ``--timeout`` or is interrupted, the pool restarts.
+start clean). If a cell hangs, runs past ``--timeout`` or is interrupted, or a rank dies, the
+pool restarts and the error says so. Bad arguments (``-n 0``, ``--timeout nan``, a runs
+directory that is a file) are refused before anything is sent or stopped.
 """
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
+from dlab.core.config import ConfigError
 from dlab.procs.cells import run_cell
-from dlab.procs.pool import RankPool
+from dlab.procs.launch import check_runs_dir, check_seconds
+from dlab.procs.pool import RankPool, check_pool
 
 
 @magics_class
@@ -50,6 +54,9 @@ class DistributedMagics(Magics):
         """Start N warm ranks (the process group initialised); ``%%distributed`` cells then
         run on them, keeping each rank's variables between cells."""
         args = parse_argstring(self.dist_start, line)
+        # every argument is checked before the running pool is stopped
+        check_runs_dir(args.runs_dir)
+        check_pool(args.nprocs, args.timeout, Path(args.runs_dir) / "pool")
         self.dist_stop("")
         start = time.monotonic()
         DistributedMagics.pool = RankPool(args.nprocs, args.timeout, Path(args.runs_dir) / "pool")
@@ -88,6 +95,7 @@ class DistributedMagics(Magics):
         torch in scope): the warm pool's if one is running, else fresh ones; show each rank's
         output grouped by rank."""
         args = parse_argstring(self.distributed, line)
+        _check_cell_args(args)
         pool = None if args.fresh else DistributedMagics.pool
         if pool is not None and args.nprocs not in (None, pool.nprocs):
             raise ValueError(f"the warm pool has {pool.nprocs} ranks, the cell asks for "
@@ -95,12 +103,22 @@ class DistributedMagics(Magics):
         if pool is not None:
             outputs, results, error = pool.run(cell, args.timeout)
         else:
-            outputs, results, error = run_cell(cell, args.nprocs or 2, args.timeout, args.runs_dir)
+            nprocs = 2 if args.nprocs is None else args.nprocs
+            outputs, results, error = run_cell(cell, nprocs, args.timeout, args.runs_dir)
         display(outputs)
         if args.out and results is not None:
             self.shell.user_ns[args.out] = results
         if error is not None:
             raise error
+
+
+def _check_cell_args(args) -> None:
+    """Refuse a cell's bad arguments before anything is sent to a rank or started."""
+    if args.nprocs is not None and args.nprocs < 1:
+        raise ConfigError(f"-n {args.nprocs}: a cell runs on at least 1 rank; use -n 2, for example")
+    check_seconds(args.timeout, "--timeout (the cell's deadline)")
+    if args.out is not None and not args.out.isidentifier():
+        raise ConfigError(f"-o {args.out}: not a Python variable name; use -o results, for example")
 
 
 def register_magics(ipython) -> None:

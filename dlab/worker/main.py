@@ -52,16 +52,17 @@ def main(argv: list[str] | None = None) -> None:
     run.path.mkdir(parents=True, exist_ok=True)
     if args.config:
         cfg = RunConfig.load(args.config)
-        if args.elastic:
-            # The global batch stays the config's; each rank's share follows the world size.
-            # Every start resumes from the run's newest checkpoint: a returning agent's ranks
-            # are its first attempt, but the run goes on from where the others stopped.
-            cfg.world_size, cfg.resume = me.world, "latest"
     else:
         cfg = from_args(args)
         cfg.world_size = me.world
         if me.rank == 0 and not (run.path / "config.json").exists():
             cfg.save(run.path / "config.json")
+    if args.elastic:
+        # The global batch stays the config's; each rank's share follows the world size.
+        # Every start resumes from the run's newest checkpoint, from a config file or from
+        # flags: a returning agent's ranks are its first attempt, but the run goes on from
+        # where the others stopped (``agree_on_step`` refuses ranks that would not).
+        cfg.world_size, cfg.resume = me.world, "latest"
     writer = rank.open_run(run, me)
 
     def body(state: dict) -> dict:
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _train(cfg: RunConfig, writer, me: rank.Place, device: torch.device, state: dict) -> dict:
     timeline = Timeline()
+    agree_on_config(cfg.to_dict())
     ctx = Context(cfg, me.rank, me.world, me.local_rank, device, timeline, Comm())
     strategy = parallel.get(cfg.strategy)(ctx)
     strategy.setup()
@@ -96,6 +98,7 @@ def _train(cfg: RunConfig, writer, me: rank.Place, device: torch.device, state: 
                                     device=device)
     # A SIGTERM is turned into a checkpoint only where there are checkpoints to write.
     preemption = Preemption(attempt) if checkpointer else None
+    agree_on_step(state["step"])
     dist.barrier()
     t0_wall = timeline.align()
     if attempt or state["step"]:
@@ -118,6 +121,52 @@ def _train(cfg: RunConfig, writer, me: rank.Place, device: torch.device, state: 
             torch.save(full, writer.run.path / "final_state.pt")
     dist.barrier()
     return common
+
+
+class RanksDisagree(RuntimeError):
+    """The ranks of one run were given different configs, or would start at different steps."""
+
+
+#: config fields allowed to differ between ranks: the step each rank starts from is compared
+#: instead of how it was asked for
+MAY_DIFFER = ("resume",)
+
+
+def agree_on_config(config: dict) -> None:
+    """Every rank's config, gathered (``all_gather_object``, before any part of the strategy
+    talks) and compared with rank 0's: ranks given other flags (an elastic agent started
+    differently, one node's command edited) stop here, all of them, saying which field
+    differs on which rank, instead of training together and reporting ok."""
+    mine = {k: v for k, v in config.items() if k not in MAY_DIFFER}
+    everyone = _gathered(mine)
+    problems = [f"rank {r} has {k}={theirs.get(k)!r} where rank 0 has {k}={everyone[0].get(k)!r}"
+                for r, theirs in enumerate(everyone[1:], start=1)
+                for k in sorted(everyone[0].keys() | theirs.keys())
+                if everyone[0].get(k) != theirs.get(k)]
+    if problems:
+        raise RanksDisagree("the ranks of this run were given different configs, so none of "
+                            "them trains; start every rank with the same config or flags:\n  - "
+                            + "\n  - ".join(problems[:8]))
+
+
+def agree_on_step(step: int) -> None:
+    """Every rank's first step (0, or the checkpoint it resumed), gathered and compared: ranks
+    that did not resume while the others did would train from different states together."""
+    starts: dict[int, list[int]] = {}
+    for r, s in enumerate(_gathered(step)):
+        starts.setdefault(s, []).append(r)
+    if len(starts) > 1:
+        raise RanksDisagree(
+            "the ranks would start at different steps, so none of them trains: "
+            + "; ".join(f"ranks {ranks} at step {s}" for s, ranks in sorted(starts.items()))
+            + ". Every rank must resume from the same checkpoint: start every agent of an "
+              "elastic run with --elastic, or every rank with the same --resume")
+
+
+def _gathered(obj) -> list:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 def _resume(cfg, run: RunDir, strategy, rank_: int, attempt: int) -> int:
