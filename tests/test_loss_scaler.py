@@ -23,7 +23,7 @@ def test_overflow_skips_the_step_halves_the_scale_and_clean_steps_double_it():
     grads = [torch.tensor([1.0, float("inf")]), None]
     assert not scaler.update(scaler.unscale(grads))
     assert (scaler.scale, scaler.skipped) == (4.0, 1)
-    for step in range(3):
+    for _ in range(3):
         assert scaler.update(scaler.unscale([torch.tensor([4.0])]))
     assert scaler.scale == 8.0  # doubled after three clean steps, not before
     restored = LossScaler()
