@@ -153,6 +153,21 @@ MUTATIONS = [
         (("    if missing:\n", "    if False:\n"),),
         ("tests/test_lab.py::test_without_jupyterlab_the_lab_says_what_to_install_before_any_url",),
     ),
+    Mutation(
+        "plan-recompute-free",
+        "planner: recomputation's repeated forward left out of the step",
+        "dlab/theory/plan/time.py",
+        (("             \"recompute\": recompute,\n", "             \"recompute\": 0.0,\n"),),
+        ("tests/test_plan.py::test_recomputation_trades_time_for_memory",
+         "tests/test_plan.py::test_the_step_is_the_sum_of_every_part_and_none_is_left_out"),
+    ),
+    Mutation(
+        "plan-tp-half",
+        "planner: tensor parallelism's two all-reduces per layer priced as one",
+        "dlab/theory/plan/time.py",
+        (("else ((\"all_reduce\", 2),)", "else ((\"all_reduce\", 1),)"),),
+        ("tests/test_plan.py::test_tensor_parallel_bytes_are_korthikantis_per_layer_count",),
+    ),
 ]
 
 
