@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dlab.exercises.registry import exercise, first_difference
+from dlab.exercises.registry import COLLECTIVES, exercise, first_difference
 
 WORLD = 4
 
@@ -150,6 +150,59 @@ def judge_column_parallel(answers):
 
 # --- 09: MoE all-to-all dispatch ----------------------------------------------------------------
 N_EXPERT = 4
+# dist's data-moving calls the dispatch may make, and how each goes through the counting Comm
+# (the others are booked by name, with their payload, and run as they are)
+_ROUTED = {
+    "all_to_all_single": lambda c, output, input, output_split_sizes=None, input_split_sizes=None,
+                                async_op=False, **_: c.all_to_all_single(
+                                    output, input, output_split_sizes, input_split_sizes, async_op),
+    "all_gather_into_tensor": lambda c, output_tensor, input_tensor, async_op=False, **_:
+        c.all_gather_into_tensor(output_tensor, input_tensor, async_op),
+    "broadcast": lambda c, tensor, src, async_op=False, **_: c.broadcast(tensor, src, async_op),
+    "send": lambda c, tensor, dst, **_: c.send(tensor, dst),
+    "recv": lambda c, tensor, src, **_: c.recv(tensor, src),
+    "isend": lambda c, tensor, dst, **_: c.isend(tensor, dst),
+    "irecv": lambda c, tensor, src, **_: c.irecv(tensor, src),
+}
+_MOVERS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", *COLLECTIVES)
+
+
+def _counted(comm, calls: list):
+    """Replace dist's data-moving calls by ones that go through ``comm`` and append (op, whether
+    the payload is floating point, model bytes sent) to ``calls``; returns the originals.
+    Comm's own calls into dist go straight to the originals."""
+    import torch.distributed as dist
+
+    inside, originals = [False], {op: getattr(dist, op) for op in _MOVERS if hasattr(dist, op)}
+
+    def wrap(op, original):
+        def call(*args, **kwargs):
+            if inside[0]:
+                return original(*args, **kwargs)
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            payload = first
+            if op == "all_to_all_single":  # (output, input, ...): what is sent is the input
+                payload = args[1] if len(args) > 1 else kwargs.get("input", first)
+            floating = bool(getattr(payload, "is_floating_point", lambda: False)())
+            inside[0] = True
+            try:
+                route = _ROUTED.get(op)
+                name = {"all_to_all_single": "all_to_all", "isend": "send", "irecv": "recv"}.get(op, op)
+                before = comm.stats[name].sent_bytes
+                if route is None:
+                    comm.record(op, 0, 0, 0)
+                    result = original(*args, **kwargs)
+                else:
+                    result = route(comm, *args, **kwargs)
+                calls.append((op, floating, comm.stats[name].sent_bytes - before))
+                return result
+            finally:
+                inside[0] = False
+        return call
+
+    for op, original in originals.items():
+        setattr(dist, op, wrap(op, original))
+    return originals
 
 
 def _tokens(rank: int):
@@ -158,21 +211,36 @@ def _tokens(rank: int):
 
 
 def run_dispatch(fn, rank, world):
+    import torch.distributed as dist
+
+    from dlab.comm.instrumented import Comm
+
     x, expert = _tokens(rank)
-    rows, row_expert = fn(x, expert, N_EXPERT, rank, world)
-    return rows, row_expert
+    calls: list = []
+    originals = _counted(Comm(None), calls)
+    try:
+        rows, row_expert = fn(x, expert, N_EXPERT, rank, world)
+    finally:
+        for op, original in originals.items():
+            setattr(dist, op, original)
+    return rows, row_expert, calls
 
 
 @exercise(name="dispatch", notebook="09_expert_parallel", ranks=2,
           task="dispatch(x, expert, n_expert, rank, world_size): send every row of x to the rank "
-               "that owns its expert (rank e // (n_expert / world_size)) with all_to_all_single; "
+               "that owns its expert (rank e // (n_expert / world_size)) with one "
+               "all_to_all_single for the rows (the counts and the experts may take their own); "
                "return (rows received, their experts), from rank 0's first, each sender's rows "
                "sorted by expert (stable)",
           run=run_dispatch)
 def judge_dispatch(answers):
     n = len(answers)
     per = N_EXPERT // n
-    for me, (rows, row_expert) in enumerate(answers):
+    for me, answer in enumerate(answers):
+        wrong = _dispatch_calls(me, answer[2], per)
+        if wrong:
+            return f"rank {me}, {wrong}"
+    for me, (rows, row_expert, _) in enumerate(answers):
         want_rows, want_experts = [], []
         for src in range(n):
             x, expert = _tokens(src)
@@ -184,4 +252,23 @@ def judge_dispatch(answers):
                  or first_difference(rows, torch.cat(want_rows), "rows received"))
         if wrong:
             return f"rank {me}, {wrong}"
+    return None
+
+
+def _dispatch_calls(me: int, calls: list, per: int) -> str | None:
+    """The property the notebook teaches: the rows travel in one all-to-all, each row once, to
+    its owner only (an all-gather or point-to-point sends would move them too, at other cost)."""
+    others = sorted({op for op, _, _ in calls if op != "all_to_all_single"})
+    if others:
+        return (f"moved data with dist.{', dist.'.join(others)}: a dispatch sends every row with "
+                f"one all_to_all_single (and the counts with another), nothing else")
+    payload = [sent for op, floating, sent in calls if floating]
+    if len(payload) != 1:
+        return (f"sent the rows in {len(payload)} all_to_all_single calls of floating-point data, "
+                f"expected one (each row goes out once, in one collective)")
+    x, expert = _tokens(me)
+    leaving = int((expert // per != me).sum()) * x.shape[1] * x.element_size()
+    if payload[0] != leaving:
+        return (f"the rows' all-to-all sent {payload[0]:g} bytes, expected {leaving} (the rows whose "
+                f"expert lives on another rank, each sent once)")
     return None
