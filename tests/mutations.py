@@ -153,6 +153,21 @@ MUTATIONS = [
         (("    if missing:\n", "    if False:\n"),),
         ("tests/test_lab.py::test_without_jupyterlab_the_lab_says_what_to_install_before_any_url",),
     ),
+    Mutation(
+        "dispatch-any-collective",
+        "the dispatch checker lets the rows travel by all-gather or send/recv",
+        "dlab/exercises/distributed.py",
+        (('    others = sorted({op for op, _, _ in calls if op != "all_to_all_single"})\n',
+          "    others = []\n"),),
+        ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-0]",),
+    ),
+    Mutation(
+        "dispatch-bytes-unchecked",
+        "the dispatch checker accepts an all-to-all that sends every row to every rank",
+        "dlab/exercises/distributed.py",
+        (("    if payload[0] != leaving:\n", "    if payload[0] < leaving:\n"),),
+        ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-2]",),
+    ),
 ]
 
 
