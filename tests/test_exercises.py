@@ -49,6 +49,14 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
     "column_parallel_linear": ("def column_parallel_linear(x, w_shard, b_shard):\n"
                                "    return x @ w_shard.T + b_shard\n",  # f forgotten
                                "rank 0, gradient of x (does f all-reduce it?): element (0, 0)"),
+    "row_parallel_linear": (  # the bias added on every rank before the sum: t times b
+        "class G(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x):\n"
+        "        x = x.clone()\n        dist.all_reduce(x)\n        return x\n"
+        "    @staticmethod\n    def backward(ctx, grad):\n        return grad\n\n"
+        "def row_parallel_linear(y_shard, w_shard, b):\n"
+        "    return G.apply(y_shard @ w_shard.T + b)\n",
+        "rank 0, output (is b added once, after the sum?): element (0, 0)"),
     "reshard": ("def reshard(shards, numel, m):\n"  # cut without padding
                 "    return list(torch.cat(shards)[:numel].chunk(m))\n",
                 "10 elements from 4 to 3 shards, shard 2: shape (2,), expected (4,)"),
@@ -84,6 +92,32 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
 # Wrong answers whose results may be right: the checker must fail on the property the notebook
 # teaches (how the data moves), and on a mistake made on a non-zero rank only.
 PROPERTY_MISTAKES = {  # exercise: [(wrong answer, what the report must say), ...]
+    "row_parallel_linear": [
+        ("def row_parallel_linear(y_shard, w_shard, b):\n"  # gather everything, one whole matmul
+         "    n = dist.get_world_size()\n"
+         "    ys = [torch.empty_like(y_shard) for _ in range(n)]\n"
+         "    ws = [torch.empty_like(w_shard) for _ in range(n)]\n"
+         "    dist.all_gather(ys, y_shard.detach())\n    dist.all_gather(ws, w_shard)\n"
+         "    ys[dist.get_rank()] = y_shard\n"
+         "    return torch.cat(ys, 1) @ torch.cat(ws, 1).T + b\n",
+         "rank 0, forward: the collectives were ['all_gather', 'all_gather']; g is one all_reduce"),
+        ("class G(torch.autograd.Function):\n"  # g's backward all-reduces too: f and g confused
+         "    @staticmethod\n    def forward(ctx, x):\n"
+         "        x = x.clone()\n        dist.all_reduce(x)\n        return x\n"
+         "    @staticmethod\n    def backward(ctx, grad):\n"
+         "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n\n"
+         "def row_parallel_linear(y_shard, w_shard, b):\n"
+         "    return G.apply(y_shard @ w_shard.T) + b\n",
+         "rank 0, backward: the collectives were ['all_reduce']"),
+        ("class G(torch.autograd.Function):\n"  # rank 1 cuts its input off from autograd
+         "    @staticmethod\n    def forward(ctx, x):\n"
+         "        x = x.clone()\n        dist.all_reduce(x)\n        return x\n"
+         "    @staticmethod\n    def backward(ctx, grad):\n        return grad\n\n"
+         "def row_parallel_linear(y_shard, w_shard, b):\n"
+         "    y = y_shard if dist.get_rank() == 0 else y_shard.detach()\n"
+         "    return G.apply(y @ w_shard.T) + b\n",
+         "rank 1 raised RuntimeError: element 0 of tensors does not require grad"),
+    ],
     "dispatch": [
         ("def dispatch(x, expert, n_expert, rank, world_size):\n"  # everything to everyone
          "    xs = [torch.empty_like(x) for _ in range(world_size)]\n"

@@ -1,5 +1,6 @@
 """The exercises that run on ranks: collectives from send/recv (01, 02), a data-parallel gradient
-average (03), a ZeRO-1 step (04), a column-parallel linear with its f (06), and an MoE all-to-all
+average (03), a ZeRO-1 step (04), a column-parallel linear with its f and a row-parallel one with
+its g (07), and an MoE all-to-all
 dispatch (09). Each ``run_*`` makes its inputs from (rank, world) alone, so the judge, in the
 notebook's process, rebuilds every rank's inputs and the reference from them."""
 from __future__ import annotations
@@ -143,6 +144,63 @@ def judge_column_parallel(answers):
         rows = slice(r * 6 // n, (r + 1) * 6 // n)
         wrong = (first_difference(got_y, y.detach()[:, rows], "output")
                  or first_difference(got_dx, x.grad, "gradient of x (does f all-reduce it?)"))
+        if wrong:
+            return f"rank {r}, {wrong}"
+    return None
+
+
+# --- 07: row-parallel linear with its g --------------------------------------------------------
+def _row_inputs():
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(3, 6, generator=g), torch.randn(4, 6, generator=g),
+            torch.randn(4, generator=g), torch.randn(3, 4, generator=g))
+
+
+def run_row_parallel(fn, rank, world):
+    import torch.distributed as dist
+
+    from dlab.comm.instrumented import Comm
+
+    y, w, b, up = _row_inputs()
+    cols = slice(rank * 6 // world, (rank + 1) * 6 // world)  # this rank's input features
+    y_shard = y[:, cols].clone().requires_grad_()
+    calls: list = []
+    originals = _counted(Comm(None), calls)
+    try:
+        z = fn(y_shard, w[:, cols].clone(), b.clone())
+        forward = len(calls)
+        (z * up).sum().backward()
+    finally:
+        for op, original in originals.items():
+            setattr(dist, op, original)
+    grad = None if y_shard.grad is None else y_shard.grad.clone()
+    return z.detach(), grad, [op for op, _, _ in calls[:forward]], [op for op, _, _ in calls[forward:]]
+
+
+@exercise(name="row_parallel_linear", notebook="07_tensor_sequence", ranks=2,
+          task="row_parallel_linear(y_shard, w_shard, b): the whole output y @ w.T + b from this "
+               "rank's input features y_shard and the matching columns w_shard of w, through g "
+               "(one all-reduce of the partial sums in forward, identity in backward); b added once",
+          run=run_row_parallel)
+def judge_row_parallel(answers):
+    y, w, b, up = _row_inputs()
+    y.requires_grad_()
+    z = y @ w.T + b
+    (z * up).sum().backward()
+    n = len(answers)
+    for r, (_, _, forward, backward) in enumerate(answers):
+        if forward != ["all_reduce"]:
+            return (f"rank {r}, forward: the collectives were {forward or 'none'}; g is one "
+                    f"all_reduce of the partial sums (y_shard @ w_shard.T), nothing else")
+        if backward:
+            return (f"rank {r}, backward: the collectives were {backward}; g's backward is the "
+                    f"identity (the output's gradient is already whole on every rank)")
+    for r, (got_z, got_dy, _, _) in enumerate(answers):
+        cols = slice(r * 6 // n, (r + 1) * 6 // n)
+        if got_dy is None:  # y_shard cut off from autograd on this rank alone
+            return f"rank {r}, gradient of y_shard: none (is y_shard detached?)"
+        wrong = (first_difference(got_z, z.detach(), "output (is b added once, after the sum?)")
+                 or first_difference(got_dy, y.grad[:, cols], "gradient of y_shard"))
         if wrong:
             return f"rank {r}, {wrong}"
     return None
