@@ -6,7 +6,9 @@ notebook's process, rebuilds every rank's inputs and the reference from them."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from dlab.comm.instrumented import Comm
 from dlab.exercises.registry import COLLECTIVES, exercise, first_difference
 
 WORLD = 4
@@ -157,10 +159,6 @@ def _row_inputs():
 
 
 def run_row_parallel(fn, rank, world):
-    import torch.distributed as dist
-
-    from dlab.comm.instrumented import Comm
-
     y, w, b, up = _row_inputs()
     cols = slice(rank * 6 // world, (rank + 1) * 6 // world)  # this rank's input features
     y_shard = y[:, cols].clone().requires_grad_()
@@ -229,8 +227,6 @@ def _counted(comm, calls: list):
     """Replace dist's data-moving calls by ones that go through ``comm`` and append (op, whether
     the payload is floating point, model bytes sent) to ``calls``; returns the originals.
     Comm's own calls into dist go straight to the originals."""
-    import torch.distributed as dist
-
     inside, originals = [False], {op: getattr(dist, op) for op in _MOVERS if hasattr(dist, op)}
 
     def wrap(op, original):
@@ -269,10 +265,6 @@ def _tokens(rank: int):
 
 
 def run_dispatch(fn, rank, world):
-    import torch.distributed as dist
-
-    from dlab.comm.instrumented import Comm
-
     x, expert = _tokens(rank)
     calls: list = []
     originals = _counted(Comm(None), calls)
