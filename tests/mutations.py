@@ -167,6 +167,19 @@ MUTATIONS = [
         "dlab/theory/plan/time.py",
         (("else ((\"all_reduce\", 2),)", "else ((\"all_reduce\", 1),)"),),
         ("tests/test_plan.py::test_tensor_parallel_bytes_are_korthikantis_per_layer_count",),
+        "dispatch-any-collective",
+        "the dispatch checker lets the rows travel by all-gather or send/recv",
+        "dlab/exercises/distributed.py",
+        (('    others = sorted({op for op, _, _ in calls if op != "all_to_all_single"})\n',
+          "    others = []\n"),),
+        ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-0]",),
+    ),
+    Mutation(
+        "dispatch-bytes-unchecked",
+        "the dispatch checker accepts an all-to-all that sends every row to every rank",
+        "dlab/exercises/distributed.py",
+        (("    if payload[0] != leaving:\n", "    if payload[0] < leaving:\n"),),
+        ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-2]",),
     ),
 ]
 

@@ -49,6 +49,14 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
     "column_parallel_linear": ("def column_parallel_linear(x, w_shard, b_shard):\n"
                                "    return x @ w_shard.T + b_shard\n",  # f forgotten
                                "rank 0, gradient of x (does f all-reduce it?): element (0, 0)"),
+    "row_parallel_linear": (  # the bias added on every rank before the sum: t times b
+        "class G(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x):\n"
+        "        x = x.clone()\n        dist.all_reduce(x)\n        return x\n"
+        "    @staticmethod\n    def backward(ctx, grad):\n        return grad\n\n"
+        "def row_parallel_linear(y_shard, w_shard, b):\n"
+        "    return G.apply(y_shard @ w_shard.T + b)\n",
+        "rank 0, output (is b added once, after the sum?): element (0, 0)"),
     "reshard": ("def reshard(shards, numel, m):\n"  # cut without padding
                 "    return list(torch.cat(shards)[:numel].chunk(m))\n",
                 "10 elements from 4 to 3 shards, shard 2: shape (2,), expected (4,)"),
@@ -81,6 +89,96 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
 }
 
 
+# Wrong answers whose results may be right: the checker must fail on the property the notebook
+# teaches (how the data moves), and on a mistake made on a non-zero rank only.
+PROPERTY_MISTAKES = {  # exercise: [(wrong answer, what the report must say), ...]
+    "row_parallel_linear": [
+        ("def row_parallel_linear(y_shard, w_shard, b):\n"  # gather everything, one whole matmul
+         "    n = dist.get_world_size()\n"
+         "    ys = [torch.empty_like(y_shard) for _ in range(n)]\n"
+         "    ws = [torch.empty_like(w_shard) for _ in range(n)]\n"
+         "    dist.all_gather(ys, y_shard.detach())\n    dist.all_gather(ws, w_shard)\n"
+         "    ys[dist.get_rank()] = y_shard\n"
+         "    return torch.cat(ys, 1) @ torch.cat(ws, 1).T + b\n",
+         "rank 0, forward: the collectives were ['all_gather', 'all_gather']; g is one all_reduce"),
+        ("class G(torch.autograd.Function):\n"  # g's backward all-reduces too: f and g confused
+         "    @staticmethod\n    def forward(ctx, x):\n"
+         "        x = x.clone()\n        dist.all_reduce(x)\n        return x\n"
+         "    @staticmethod\n    def backward(ctx, grad):\n"
+         "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n\n"
+         "def row_parallel_linear(y_shard, w_shard, b):\n"
+         "    return G.apply(y_shard @ w_shard.T) + b\n",
+         "rank 0, backward: the collectives were ['all_reduce']"),
+        ("class G(torch.autograd.Function):\n"  # rank 1 cuts its input off from autograd
+         "    @staticmethod\n    def forward(ctx, x):\n"
+         "        x = x.clone()\n        dist.all_reduce(x)\n        return x\n"
+         "    @staticmethod\n    def backward(ctx, grad):\n        return grad\n\n"
+         "def row_parallel_linear(y_shard, w_shard, b):\n"
+         "    y = y_shard if dist.get_rank() == 0 else y_shard.detach()\n"
+         "    return G.apply(y @ w_shard.T) + b\n",
+         "rank 1 raised RuntimeError: element 0 of tensors does not require grad"),
+    ],
+    "dispatch": [
+        ("def dispatch(x, expert, n_expert, rank, world_size):\n"  # everything to everyone
+         "    xs = [torch.empty_like(x) for _ in range(world_size)]\n"
+         "    es = [torch.empty_like(expert) for _ in range(world_size)]\n"
+         "    dist.all_gather(xs, x)\n    dist.all_gather(es, expert)\n"
+         "    rows, exps, per = [], [], n_expert // world_size\n"
+         "    for xx, ee in zip(xs, es):\n"
+         "        order = torch.argsort(ee, stable=True)\n"
+         "        mine = order[ee[order] // per == rank]\n"
+         "        rows.append(xx[mine])\n        exps.append(ee[mine])\n"
+         "    return torch.cat(rows), torch.cat(exps)\n",
+         "rank 0, moved data with dist.all_gather"),
+        ("def dispatch(x, expert, n_expert, rank, world_size):\n"  # point to point, in turn
+         "    order = torch.argsort(expert, stable=True)\n"
+         "    x, expert = x[order], expert[order]\n"
+         "    owner = expert // (n_expert // world_size)\n"
+         "    rows, exps = [], []\n"
+         "    for src in range(world_size):\n"
+         "        if src == rank:\n"
+         "            for dst in range(world_size):\n"
+         "                if dst != rank:\n"
+         "                    mine = owner == dst\n"
+         "                    dist.send(mine.sum().reshape(1), dst)\n"
+         "                    dist.send(x[mine].contiguous(), dst)\n"
+         "                    dist.send(expert[mine].contiguous(), dst)\n"
+         "            rows.append(x[owner == rank])\n            exps.append(expert[owner == rank])\n"
+         "        else:\n"
+         "            n = torch.zeros(1, dtype=torch.long)\n            dist.recv(n, src)\n"
+         "            r, e = x.new_empty(int(n), x.shape[1]), expert.new_empty(int(n))\n"
+         "            dist.recv(r, src)\n            dist.recv(e, src)\n"
+         "            rows.append(r)\n            exps.append(e)\n"
+         "    return torch.cat(rows), torch.cat(exps)\n",
+         "rank 0, moved data with dist.recv, dist.send"),
+        ("def dispatch(x, expert, n_expert, rank, world_size):\n"  # every row to every rank
+         "    per = n_expert // world_size\n"
+         "    rows = x.new_empty(world_size * len(x), x.shape[1])\n"
+         "    dist.all_to_all_single(rows, x.repeat(world_size, 1))\n"
+         "    exps = expert.new_empty(world_size * len(expert))\n"
+         "    dist.all_to_all_single(exps, expert.repeat(world_size))\n"
+         "    out_rows, out_exps = [], []\n"
+         "    for xx, ee in zip(rows.chunk(world_size), exps.chunk(world_size)):\n"
+         "        order = torch.argsort(ee, stable=True)\n"
+         "        mine = order[ee[order] // per == rank]\n"
+         "        out_rows.append(xx[mine])\n        out_exps.append(ee[mine])\n"
+         "    return torch.cat(out_rows), torch.cat(out_exps)\n",
+         "rank 0, the rows' all-to-all sent 48 bytes, expected"),
+        ("def dispatch(x, expert, n_expert, rank, world_size):\n"  # rank 1 does not sort
+         "    if rank == 0:\n"
+         "        order = torch.argsort(expert, stable=True)\n"
+         "        x, expert = x[order], expert[order]\n"
+         "    send = torch.bincount(expert // (n_expert // world_size), minlength=world_size)\n"
+         "    recv = torch.empty_like(send)\n    dist.all_to_all_single(recv, send)\n"
+         "    rows = x.new_empty(int(recv.sum()), x.shape[1])\n"
+         "    dist.all_to_all_single(rows, x, recv.tolist(), send.tolist())\n"
+         "    row_expert = expert.new_empty(int(recv.sum()))\n"
+         "    dist.all_to_all_single(row_expert, expert, recv.tolist(), send.tolist())\n"
+         "    return rows, row_expert\n", "experts of the rows received: element"),
+    ],
+}
+
+
 def test_every_exercise_has_a_solution_and_a_mistake():
     assert set(EXERCISES) == set(MISTAKES) == {p.stem for p in SOLUTIONS.glob("*.py")}
     notebooks = {ex.notebook for ex in EXERCISES.values()}
@@ -104,3 +202,15 @@ def test_an_unwritten_exercise_says_what_to_write():
         raise NotImplementedError
     report = check("ring_all_reduce", ring_all_reduce)
     assert not report.ok and report.message.startswith("not written yet: ring_all_reduce(x, rank")
+
+
+SAME_PATH_AS_ANOTHER = {("dispatch", 1)}  # point to point: judged as the all-gather is
+
+
+@pytest.mark.parametrize("name,case", [
+    pytest.param(n, i, marks=[pytest.mark.slow] if (n, i) in SAME_PATH_AS_ANOTHER else [])
+    for n, cases in sorted(PROPERTY_MISTAKES.items()) for i in range(len(cases))])
+def test_the_checker_fails_a_right_result_reached_the_wrong_way(name, case, runs_dir):
+    wrong, says = PROPERTY_MISTAKES[name][case]
+    report = check(name, wrong, runs_dir=str(runs_dir))
+    assert not report.ok and says in report.message, report

@@ -1,12 +1,15 @@
 """The exercises that run on ranks: collectives from send/recv (01, 02), a data-parallel gradient
-average (03), a ZeRO-1 step (04), a column-parallel linear with its f (06), and an MoE all-to-all
+average (03), a ZeRO-1 step (04), a column-parallel linear with its f and a row-parallel one with
+its g (07), and an MoE all-to-all
 dispatch (09). Each ``run_*`` makes its inputs from (rank, world) alone, so the judge, in the
 notebook's process, rebuilds every rank's inputs and the reference from them."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from dlab.exercises.registry import exercise, first_difference
+from dlab.comm.instrumented import Comm
+from dlab.exercises.registry import COLLECTIVES, exercise, first_difference
 
 WORLD = 4
 
@@ -148,8 +151,112 @@ def judge_column_parallel(answers):
     return None
 
 
+# --- 07: row-parallel linear with its g --------------------------------------------------------
+def _row_inputs():
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(3, 6, generator=g), torch.randn(4, 6, generator=g),
+            torch.randn(4, generator=g), torch.randn(3, 4, generator=g))
+
+
+def run_row_parallel(fn, rank, world):
+    y, w, b, up = _row_inputs()
+    cols = slice(rank * 6 // world, (rank + 1) * 6 // world)  # this rank's input features
+    y_shard = y[:, cols].clone().requires_grad_()
+    calls: list = []
+    originals = _counted(Comm(None), calls)
+    try:
+        z = fn(y_shard, w[:, cols].clone(), b.clone())
+        forward = len(calls)
+        (z * up).sum().backward()
+    finally:
+        for op, original in originals.items():
+            setattr(dist, op, original)
+    grad = None if y_shard.grad is None else y_shard.grad.clone()
+    return z.detach(), grad, [op for op, _, _ in calls[:forward]], [op for op, _, _ in calls[forward:]]
+
+
+@exercise(name="row_parallel_linear", notebook="07_tensor_sequence", ranks=2,
+          task="row_parallel_linear(y_shard, w_shard, b): the whole output y @ w.T + b from this "
+               "rank's input features y_shard and the matching columns w_shard of w, through g "
+               "(one all-reduce of the partial sums in forward, identity in backward); b added once",
+          run=run_row_parallel)
+def judge_row_parallel(answers):
+    y, w, b, up = _row_inputs()
+    y.requires_grad_()
+    z = y @ w.T + b
+    (z * up).sum().backward()
+    n = len(answers)
+    for r, (_, _, forward, backward) in enumerate(answers):
+        if forward != ["all_reduce"]:
+            return (f"rank {r}, forward: the collectives were {forward or 'none'}; g is one "
+                    f"all_reduce of the partial sums (y_shard @ w_shard.T), nothing else")
+        if backward:
+            return (f"rank {r}, backward: the collectives were {backward}; g's backward is the "
+                    f"identity (the output's gradient is already whole on every rank)")
+    for r, (got_z, got_dy, _, _) in enumerate(answers):
+        cols = slice(r * 6 // n, (r + 1) * 6 // n)
+        if got_dy is None:  # y_shard cut off from autograd on this rank alone
+            return f"rank {r}, gradient of y_shard: none (is y_shard detached?)"
+        wrong = (first_difference(got_z, z.detach(), "output (is b added once, after the sum?)")
+                 or first_difference(got_dy, y.grad[:, cols], "gradient of y_shard"))
+        if wrong:
+            return f"rank {r}, {wrong}"
+    return None
+
+
 # --- 09: MoE all-to-all dispatch ----------------------------------------------------------------
 N_EXPERT = 4
+# dist's data-moving calls the dispatch may make, and how each goes through the counting Comm
+# (the others are booked by name, with their payload, and run as they are)
+_ROUTED = {
+    "all_to_all_single": lambda c, output, input, output_split_sizes=None, input_split_sizes=None,
+                                async_op=False, **_: c.all_to_all_single(
+                                    output, input, output_split_sizes, input_split_sizes, async_op),
+    "all_gather_into_tensor": lambda c, output_tensor, input_tensor, async_op=False, **_:
+        c.all_gather_into_tensor(output_tensor, input_tensor, async_op),
+    "broadcast": lambda c, tensor, src, async_op=False, **_: c.broadcast(tensor, src, async_op),
+    "send": lambda c, tensor, dst, **_: c.send(tensor, dst),
+    "recv": lambda c, tensor, src, **_: c.recv(tensor, src),
+    "isend": lambda c, tensor, dst, **_: c.isend(tensor, dst),
+    "irecv": lambda c, tensor, src, **_: c.irecv(tensor, src),
+}
+_MOVERS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", *COLLECTIVES)
+
+
+def _counted(comm, calls: list):
+    """Replace dist's data-moving calls by ones that go through ``comm`` and append (op, whether
+    the payload is floating point, model bytes sent) to ``calls``; returns the originals.
+    Comm's own calls into dist go straight to the originals."""
+    inside, originals = [False], {op: getattr(dist, op) for op in _MOVERS if hasattr(dist, op)}
+
+    def wrap(op, original):
+        def call(*args, **kwargs):
+            if inside[0]:
+                return original(*args, **kwargs)
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            payload = first
+            if op == "all_to_all_single":  # (output, input, ...): what is sent is the input
+                payload = args[1] if len(args) > 1 else kwargs.get("input", first)
+            floating = bool(getattr(payload, "is_floating_point", lambda: False)())
+            inside[0] = True
+            try:
+                route = _ROUTED.get(op)
+                name = {"all_to_all_single": "all_to_all", "isend": "send", "irecv": "recv"}.get(op, op)
+                before = comm.stats[name].sent_bytes
+                if route is None:
+                    comm.record(op, 0, 0, 0)
+                    result = original(*args, **kwargs)
+                else:
+                    result = route(comm, *args, **kwargs)
+                calls.append((op, floating, comm.stats[name].sent_bytes - before))
+                return result
+            finally:
+                inside[0] = False
+        return call
+
+    for op, original in originals.items():
+        setattr(dist, op, wrap(op, original))
+    return originals
 
 
 def _tokens(rank: int):
@@ -159,20 +266,31 @@ def _tokens(rank: int):
 
 def run_dispatch(fn, rank, world):
     x, expert = _tokens(rank)
-    rows, row_expert = fn(x, expert, N_EXPERT, rank, world)
-    return rows, row_expert
+    calls: list = []
+    originals = _counted(Comm(None), calls)
+    try:
+        rows, row_expert = fn(x, expert, N_EXPERT, rank, world)
+    finally:
+        for op, original in originals.items():
+            setattr(dist, op, original)
+    return rows, row_expert, calls
 
 
 @exercise(name="dispatch", notebook="09_expert_parallel", ranks=2,
           task="dispatch(x, expert, n_expert, rank, world_size): send every row of x to the rank "
-               "that owns its expert (rank e // (n_expert / world_size)) with all_to_all_single; "
+               "that owns its expert (rank e // (n_expert / world_size)) with one "
+               "all_to_all_single for the rows (the counts and the experts may take their own); "
                "return (rows received, their experts), from rank 0's first, each sender's rows "
                "sorted by expert (stable)",
           run=run_dispatch)
 def judge_dispatch(answers):
     n = len(answers)
     per = N_EXPERT // n
-    for me, (rows, row_expert) in enumerate(answers):
+    for me, answer in enumerate(answers):
+        wrong = _dispatch_calls(me, answer[2], per)
+        if wrong:
+            return f"rank {me}, {wrong}"
+    for me, (rows, row_expert, _) in enumerate(answers):
         want_rows, want_experts = [], []
         for src in range(n):
             x, expert = _tokens(src)
@@ -184,4 +302,23 @@ def judge_dispatch(answers):
                  or first_difference(rows, torch.cat(want_rows), "rows received"))
         if wrong:
             return f"rank {me}, {wrong}"
+    return None
+
+
+def _dispatch_calls(me: int, calls: list, per: int) -> str | None:
+    """The property the notebook teaches: the rows travel in one all-to-all, each row once, to
+    its owner only (an all-gather or point-to-point sends would move them too, at other cost)."""
+    others = sorted({op for op, _, _ in calls if op != "all_to_all_single"})
+    if others:
+        return (f"moved data with dist.{', dist.'.join(others)}: a dispatch sends every row with "
+                f"one all_to_all_single (and the counts with another), nothing else")
+    payload = [sent for op, floating, sent in calls if floating]
+    if len(payload) != 1:
+        return (f"sent the rows in {len(payload)} all_to_all_single calls of floating-point data, "
+                f"expected one (each row goes out once, in one collective)")
+    x, expert = _tokens(me)
+    leaving = int((expert // per != me).sum()) * x.shape[1] * x.element_size()
+    if payload[0] != leaving:
+        return (f"the rows' all-to-all sent {payload[0]:g} bytes, expected {leaving} (the rows whose "
+                f"expert lives on another rank, each sent once)")
     return None
