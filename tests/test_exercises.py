@@ -14,7 +14,7 @@ SOLUTIONS = Path(__file__).resolve().parent.parent / "docs" / "instructor" / "so
 MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report must say)
     "capstone_layout": (  # plain data parallelism: the whole model state on every GPU
         "def capstone_layout():\n"
-        "    from dlab.plan import PlanLayout\n    return PlanLayout(dp=64, recompute='full')\n",
+        "    from dlab.plan import PlanLayout\n    return PlanLayout(dp=32, recompute='full')\n",
         "model state dominates; shard it"),
     "mixed_precision_step": (  # the update added to the fp16 weight: no fp32 master
         "def mixed_precision_step(master, grad16, scale, lr):\n"

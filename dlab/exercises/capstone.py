@@ -1,6 +1,8 @@
-"""Notebook 14's checked exercise: a layout that meets the capstone's targets.
+"""Notebook 14's briefs and its checked exercise: a layout that meets a brief's targets.
 
-``capstone_layout()`` returns a ``dlab.plan.PlanLayout`` for the brief below (``BRIEF``): every
+``BRIEF`` is the one the notebook works through; ``EXERCISE`` the learner's own, with other
+sizes, so the worked answer is not the exercise's. ``capstone_layout()`` returns a
+``dlab.plan.PlanLayout`` for ``EXERCISE``: every
 GPU of the cluster used, accepted by the planner's rules, within the memory target per GPU and
 at or above the throughput target, both as ``dlab.plan.plan`` predicts them under the brief's
 software stack. A layout that misses is told by how much and, from the planner's own breakdown,
@@ -11,18 +13,22 @@ from __future__ import annotations
 from dlab.exercises.registry import exercise
 from dlab.theory.plan import PlanError, PlanLayout, clusters, models, plan
 
-#: the capstone's brief: long-context continued pre-training of an 8B model on 8 nodes
+#: the worked brief: long-context continued pre-training of an 8B model on 8 nodes
 BRIEF = {"model": "llama3-8b", "cluster": "h100-sxm", "stack": "megatron-core-2024", "gpus": 64,
          "seq_len": 32768, "global_batch": 128,  # sequences: 4M tokens per step
          "memory_GB": 60.0,  # per GPU, leaving the rest of 80 GB to the allocator and NCCL
          "tokens_per_s_per_gpu": 5000.0}
+#: the exercise's brief: the same model pre-trained at 8k tokens on 4 nodes, beside another job
+EXERCISE = {"model": "llama3-8b", "cluster": "h100-sxm", "stack": "megatron-core-2024",
+            "gpus": 32, "seq_len": 8192, "global_batch": 256,  # 2M tokens per step
+            "memory_GB": 30.0, "tokens_per_s_per_gpu": 8500.0}
 
 GB = 1e9
 
 
-def predict(layout):
-    """The planner's prediction of ``layout`` under the brief."""
-    b = BRIEF
+def predict(layout, brief: dict = BRIEF):
+    """The planner's prediction of ``layout`` under ``brief``."""
+    b = brief
     return plan(models.preset(b["model"]), clusters.preset(b["cluster"]), layout,
                 b["global_batch"], b["seq_len"], b["stack"])
 
@@ -44,19 +50,19 @@ def _memory_hint(p) -> str:
 
 
 @exercise(name="capstone_layout", notebook="14_capstone",
-          task="capstone_layout(): a dlab.plan.PlanLayout for the brief (BRIEF in "
+          task="capstone_layout(): a dlab.plan.PlanLayout for the exercise's brief (EXERCISE in "
                "dlab.exercises.capstone) using every GPU, within the memory target per GPU and at "
                "or above the tokens/s target, as dlab.plan.plan predicts them",
           run=run_capstone_layout)
 def judge_capstone_layout(layout):
-    b = BRIEF
+    b = EXERCISE
     if not isinstance(layout, PlanLayout):
         return f"return a dlab.plan.PlanLayout (got {type(layout).__name__})"
     if layout.world != b["gpus"]:
         return (f"{layout.describe()} uses {layout.world} GPUs; the brief has {b['gpus']}: "
                 f"make dp x tp x pp x cp = {b['gpus']}")
     try:
-        p = predict(layout)
+        p = predict(layout, b)
     except PlanError as e:
         return f"the planner refuses it: {e}"
     where = f"{layout.describe()}"
