@@ -180,6 +180,20 @@ MUTATIONS = [
         "dlab/exercises/distributed.py",
         (("    if payload[0] != leaving:\n", "    if payload[0] < leaving:\n"),),
         ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-2]",),
+        "mp-master-not-cast-back",
+        "mixed precision: the optimizer updates the fp32 master but the fp16/bf16 compute copy is "
+        "never refreshed from it",
+        "dlab/runtime/mixed_precision.py",
+        (("                        p.copy_(m)\n", "                        pass\n"),),
+        ("tests/test_mixed_precision.py::test_the_master_is_fp32_and_the_compute_copy_is_it_cast",),
+    ),
+    Mutation(
+        "accumulation-not-averaged",
+        "gradient accumulation sums the micro-batches' gradients instead of averaging them",
+        "dlab/runtime/mixed_precision.py",
+        (("            objective = loss * (self.loss_weight / k)\n",
+          "            objective = loss * self.loss_weight\n"),),
+        ("tests/test_mixed_precision.py::test_accumulated_micro_batches_give_the_whole_batch_step",),
     ),
 ]
 

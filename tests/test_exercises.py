@@ -12,6 +12,17 @@ from dlab.exercises import EXERCISES, check
 SOLUTIONS = Path(__file__).resolve().parent.parent / "docs" / "instructor" / "solutions"
 
 MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report must say)
+    "capstone_layout": (  # plain data parallelism: the whole model state on every GPU
+        "def capstone_layout():\n"
+        "    from dlab.plan import PlanLayout\n    return PlanLayout(dp=32, recompute='full')\n",
+        "model state dominates; shard it"),
+    "mixed_precision_step": (  # the update added to the fp16 weight: no fp32 master
+        "def mixed_precision_step(master, grad16, scale, lr):\n"
+        "    grad = grad16.float() / scale\n"
+        "    if not torch.isfinite(grad).all():\n        return master, master.half(), False\n"
+        "    weight16 = master.half() - lr * grad.half()\n"
+        "    return weight16.float(), weight16, True\n",
+        "rounded away: add it to the fp32 master"),
     "activation_bytes": (  # every term divided by t, sequence parallel or not
         "def activation_bytes(s, b, h, a, t, sp, recompute):\n"
         "    sbh = s * b * h\n"
