@@ -129,7 +129,8 @@ def test_dualpipev_pairs_a_forward_with_a_backward():
     """DualPipe's point (DeepSeek-V3 report, sec. 3.2.1): in the steady phase every rank runs a
     forward of one micro-batch next to a backward of another, on its other leg of the V. Counted
     apart from the builder: rank r of p does 2p - r - 1 forwards of its first chunk before any
-    backward (the last rank one more: its first backward is of a micro-batch it turned), holds 2p + 1 chunks at its peak (p + 1/2 micro-batches), and in phase 4 the pairs
+    backward (the last rank one more: its first backward is of a micro-batch it turned), holds
+    2p + 1 chunks at its peak (p + 1/2 micro-batches), and in phase 4 the pairs
     (F on stage r, B on stage 2p-1-r) and (F on 2p-1-r, B on r) follow each other m-2p+r+1 times."""
     p, m = 4, 10
     s = schedules.build("dualpipev", p, m)

@@ -12,7 +12,7 @@ the busiest rank's beside its in-flight count times one micro-batch's activation
 the naive pipeline, m = 1, on the same stages; for the zero-bubble schedules the excess is what
 pending weight gradients keep: the weight matmuls' inputs and output gradients); the median
 step time. Where PyTorch has the same schedule (``torch.distributed.pipelining``: GPipe, 1F1B,
-Interleaved1F1B, ZBVZeroBubble) the row also carries ``dlab`` / ``peer`` / ``ratio`` of step
+Interleaved1F1B, ZBVZeroBubble, DualPipeV) the row also carries ``dlab`` / ``peer`` / ``ratio`` of step
 times on the same model and split. ZB-H1 is not compared: PyTorch's zero-bubble schedules
 are the interleaved and the V ones.
 
@@ -47,13 +47,15 @@ from dlab.ui.gantt import gantt
 MODEL = {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 128}
 STEPS = 4
 PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-         "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
-SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
+         "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
+         "dualpipev": "ScheduleDualPipeV"}
+SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
 
 
 def configs(quick: bool) -> list[tuple[str, int, int]]:
     if quick:
-        return [("naive", 2, 1), ("1f1b", 2, 4), ("gpipe", 2, 4), ("zbv", 2, 4)]
+        return [("naive", 2, 1), ("1f1b", 2, 4), ("gpipe", 2, 4), ("zbv", 2, 4),
+                ("dualpipev", 2, 8)]
     out = []
     for p in (2, 4):
         for name in SCHEDULES:
@@ -61,6 +63,8 @@ def configs(quick: bool) -> list[tuple[str, int, int]]:
                 if name == "naive" and m != 1:
                     continue
                 if name == "interleaved" and m % p:
+                    continue
+                if name == "dualpipev" and m < 2 * p:
                     continue
                 out.append((name, p, m))
     return out
@@ -71,7 +75,7 @@ def _has_peer(name: str, p: int, m: int) -> bool:
 
 
 def _v(name: str) -> int:
-    return 2 if name in ("interleaved", "zbv") else 1
+    return 2 if name in ("interleaved", *schedules.V_SHAPED) else 1
 
 
 def measure(name: str, p: int, m: int, runs_dir: str, recv_ahead: int | None = None) -> dict:
@@ -117,7 +121,7 @@ def run(quick: bool = False) -> list[dict]:
                 predicted = est.in_flight(name, p, m, peak_rank, v) * unit[p][peak_rank]
                 row["act_formula_MiB"] = round(predicted / 2 ** 20, 2)
             row["step_s"] = round(got["step_s"], 4)
-            if _has_peer(name, p, m) and (not quick or name == "1f1b"):
+            if _has_peer(name, p, m) and (not quick or name in ("1f1b", "dualpipev")):
                 peer = statistics.median(spawn(torch_step_times, p, name, p, m, MODEL, STEPS,
                                                runs_dir=runs_dir)[0][1:])
                 row = compared(got["step_s"], peer, **row, metric="step_s")
@@ -153,7 +157,7 @@ def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int)
     model = models.build("gpt", model_options, 0)
     blocks, first, last = param_costs(model)
     ranges = partition(blocks, n, first, last)
-    if name == "zbv":
+    if name in schedules.V_SHAPED:
         mine = [rank, 2 * p - 1 - rank]
     else:
         mine = [rank + k * p for k in range(v)]
@@ -167,7 +171,7 @@ def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int)
     data = make_data(RunConfig(strategy="single", batch_size=m, model_options=model_options))
     holds_first, holds_last = 0 in mine, n - 1 in mine
     tied = model.embed.tok.weight
-    tied_group = dist.new_group([0, p - 1]) if name != "zbv" else None
+    tied_group = dist.new_group([0, p - 1]) if name not in schedules.V_SHAPED else None
     out = []
     for step in range(steps):
         x, y = data.global_batch(step)

@@ -312,6 +312,52 @@ def _v_placement(p: int) -> tuple[int, ...]:
     return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
 
 
+def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
+    """Rank r's compute order in DualPipeV's eight phases (``dualpipev``'s docstring)."""
+    chunk = (r, 2 * p - 1 - r)  # chunk 0 on the way down, chunk 1 on the way back
+    nxt = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+    deferred: list[Action] = []
+    order: list[Action] = []
+
+    def fwd(c: int) -> None:
+        order.append(F(chunk[c], nxt[("F", c)]))
+        nxt[("F", c)] += 1
+
+    def bwd(c: int, defer: bool = False) -> None:
+        act = B(chunk[c], nxt[("B", c)])
+        nxt[("B", c)] += 1
+        order.append(act)
+        (deferred if defer else order).append(W(act.stage, act.mb))
+
+    for _ in range(2 * (p - r - 1)):
+        fwd(0)
+    for _ in range(r + 1):
+        fwd(0)
+        fwd(1)
+    for _ in range(p - r - 1):
+        bwd(1)
+        fwd(1)
+    for _ in range(m - 2 * p + r + 1):
+        fwd(0)
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    for _ in range(p - r - 1):
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    # DeepSeek's phase 6: W is deferred from the middle pair on (for B1 on odd ranks, from B0
+    # on even ones), so r+1 W's wait for the drain
+    half = (r + 1) // 2
+    for i in range(r + 1):
+        bwd(1, defer=i > half or (i == half and r % 2 == 1))
+        bwd(0, defer=i >= half)
+    for _ in range(p - r - 1):
+        order.append(deferred.pop(0))
+        bwd(0, defer=True)
+    return order + deferred
+
+
 def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
     """DualPipeV: DualPipe (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1) cut in
     half into a V, as DeepSeek's open ``dualpipev.py`` and ``torch``'s ``ScheduleDualPipeV`` do.
@@ -336,53 +382,7 @@ def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
     as the pair's two ops back to back (``dlab.theory.pipeline.bubble`` models it so)."""
     _check("dualpipev", p, m, v)
     placement = _v_placement(p)
-    orders = []
-    for r in range(p):
-        chunk = (r, 2 * p - 1 - r)
-        nxt = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
-        deferred: list[Action] = []
-        order: list[Action] = []
-
-        def fwd(c: int) -> None:
-            order.append(F(chunk[c], nxt[f"F{c}"]))
-            nxt[f"F{c}"] += 1
-
-        def bwd(c: int, defer: bool = False) -> None:
-            act = B(chunk[c], nxt[f"B{c}"])
-            nxt[f"B{c}"] += 1
-            order.append(act)
-            if defer:
-                deferred.append(W(act.stage, act.mb))
-            else:
-                order.append(W(act.stage, act.mb))
-
-        for _ in range(2 * (p - r - 1)):
-            fwd(0)
-        for _ in range(r + 1):
-            fwd(0)
-            fwd(1)
-        for _ in range(p - r - 1):
-            bwd(1)
-            fwd(1)
-        for _ in range(m - 2 * p + r + 1):
-            fwd(0)
-            bwd(1)
-            fwd(1)
-            bwd(0)
-        for _ in range(p - r - 1):
-            bwd(1)
-            fwd(1)
-            bwd(0)
-        # DeepSeek's phase 6: W is deferred from the middle pair on (for B1 on odd ranks, from
-        # B0 on even ones), so r+1 W's wait for the drain
-        for i in range(r + 1):
-            bwd(1, defer=i > (r + 1) // 2 or (i == (r + 1) // 2 and r % 2 == 1))
-            bwd(0, defer=i >= (r + 1) // 2)
-        for _ in range(p - r - 1):
-            order.append(deferred.pop(0))
-            bwd(0, defer=True)
-        order += deferred
-        orders.append(order)
+    orders = [_dualpipev_rank(p, m, r) for r in range(p)]
     return Schedule("dualpipev", p, m, 2 * p, placement, _with_comms(orders, placement),
                     split_backward=True)
 
