@@ -187,3 +187,14 @@ def test_receives_posted_ahead_are_refused_on_nccl():
     assert not any("recv_ahead" in p for p in cls.problems(config(backend="nccl")))
     refused = cls.problems(config(backend="nccl", options={"recv_ahead": 2}))
     assert any("recv_ahead=2 can deadlock on NCCL" in p for p in refused), refused
+
+
+def test_dualpipev_too_few_microbatches_is_refused_before_start(runs_dir):
+    """DualPipeV fills both legs of its V before the steady phase: m >= 2p, in ``pipeline-*``
+    and in ``nd`` alike, said before any process starts."""
+    with pytest.raises(ConfigError, match="at least 2p = 8"):
+        dlab.launch("pipeline-dualpipev", 4, runs_dir=runs_dir, **PIPE_GPT)
+    with pytest.raises(ConfigError, match="at least 2p = 4"):
+        dlab.launch("nd", 2, runs_dir=runs_dir, options={"pp": 2, "schedule": "dualpipev",
+                                                         "microbatches": 2}, **PIPE_GPT)
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())
