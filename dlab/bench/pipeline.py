@@ -122,8 +122,8 @@ def run(quick: bool = False) -> list[dict]:
                 row["act_formula_MiB"] = round(predicted / 2 ** 20, 2)
             row["step_s"] = round(got["step_s"], 4)
             if _has_peer(name, p, m) and (not quick or name in ("1f1b", "dualpipev")):
-                peer = statistics.median(spawn(torch_step_times, p, name, p, m, MODEL, STEPS,
-                                               runs_dir=runs_dir)[0][1:])
+                peer = statistics.median(spawn(torch_run, p, name, p, m, MODEL, STEPS,
+                                               runs_dir=runs_dir)[0]["step_s"][1:])
                 row = compared(got["step_s"], peer, **row, metric="step_s")
             rows.append(row)
         rows += sweep_recv_ahead(runs_dir, quick)
@@ -140,16 +140,21 @@ def sweep_recv_ahead(runs_dir: str, quick: bool) -> list[dict]:
             for name, p, m in cases for k in (0, 1, 2, 4)]
 
 
-def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int) -> list[float]:
-    """On each rank: PyTorch's schedule on the same GPT and the same stage split, one Adam step
-    per iteration (and the tied matrix's gradient summed between its two holders, as dlab
-    does); returns the step times."""
+def torch_run(name: str, p: int, m: int, model_options: dict, steps: int,
+              batch_size: int | None = None, optimizer: str = "adam", lr: float = 1e-4) -> dict:
+    """On each rank: PyTorch's schedule on the same GPT, the same stage split and the same data
+    (dlab's ``global_batch``, ``batch_size`` sequences, default m), one optimizer step per
+    iteration (SGD as dlab's: momentum 0.9), the tied matrix's gradient summed between its two
+    holders as dlab does. Returns the step times, the step losses (mean over the micro-batches,
+    on the rank holding the last stage; None elsewhere) and the bytes this rank sent point to
+    point, counted where every transfer of ``torch.distributed.pipelining`` is posted
+    (``schedules._batch_p2p``): its p2p bypasses dlab's counting ``Comm``."""
     import time
 
     import torch
     import torch.distributed as dist
     import torch.distributed.pipelining as pipelining
-
+    from torch.distributed.pipelining import schedules as torch_schedules
 
     rank = dist.get_rank()
     v = _v(name)
@@ -165,30 +170,54 @@ def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int)
     stages = [pipelining.PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
     params = list({id(t): t for mod in mods.values()
                    for t in mod.named_full_parameters().values()}.values())
-    optimizer = torch.optim.Adam(params, lr=1e-4)
+    opt = (torch.optim.Adam(params, lr=lr) if optimizer == "adam"
+           else torch.optim.SGD(params, lr=lr, momentum=0.9))
     cls = getattr(pipelining, PEERS[name])
-    sched = cls(stages[0] if v == 1 else stages, n_microbatches=m, loss_fn=models.GPT.criterion)
-    data = make_data(RunConfig(strategy="single", batch_size=m, model_options=model_options))
+    # scale_grads=False, and the 1/m applied below to every parameter: PyTorch divides the
+    # gradients of ``stage.submod.parameters()`` only, and the last stage's head uses the tied
+    # matrix without registering it, so its gradient there would stay m times too large
+    sched = cls(stages[0] if v == 1 else stages, n_microbatches=m, loss_fn=models.GPT.criterion,
+                scale_grads=False)
+    data = make_data(RunConfig(strategy="single", batch_size=batch_size or m,
+                               model_options=model_options))
     holds_first, holds_last = 0 in mine, n - 1 in mine
     tied = model.embed.tok.weight
     tied_group = dist.new_group([0, p - 1]) if name not in schedules.V_SHAPED else None
-    out = []
-    for step in range(steps):
-        x, y = data.global_batch(step)
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        kwargs = {"target": y, "losses": []} if holds_last else {}
-        if holds_first:
-            sched.step(x, **kwargs)
-        else:
-            sched.step(**kwargs)
-        if tied_group is not None and (holds_first or holds_last):
-            if tied.grad is None:
-                tied.grad = torch.zeros_like(tied)
-            dist.all_reduce(tied.grad, group=tied_group)
-        optimizer.step()
-        out.append(time.perf_counter() - start)
+    sent = [0]
+    batch_p2p = torch_schedules._batch_p2p
+
+    def counted(ops, desc=None):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                       if op.op is dist.isend)
+        return batch_p2p(ops, desc)
+
+    torch_schedules._batch_p2p = counted
+    out = {"step_s": [], "losses": [], "sent_bytes": []}
+    try:
+        for step in range(steps):
+            x, y = data.global_batch(step)
+            dist.barrier()
+            start, sent[0] = time.perf_counter(), 0
+            opt.zero_grad()
+            losses: list = []
+            kwargs = {"target": y, "losses": losses} if holds_last else {}
+            if holds_first:
+                sched.step(x, **kwargs)
+            else:
+                sched.step(**kwargs)
+            for t in params:
+                if t.grad is not None:
+                    t.grad.div_(m)
+            if tied_group is not None and (holds_first or holds_last):
+                if tied.grad is None:
+                    tied.grad = torch.zeros_like(tied)
+                dist.all_reduce(tied.grad, group=tied_group)
+            opt.step()
+            out["step_s"].append(time.perf_counter() - start)
+            out["losses"].append(float(torch.stack(losses).mean()) if holds_last else None)
+            out["sent_bytes"].append(sent[0])
+    finally:
+        torch_schedules._batch_p2p = batch_p2p
     return out
 
 
