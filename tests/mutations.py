@@ -121,6 +121,23 @@ MUTATIONS = [
         ("tests/test_pipeline_parity.py::test_receives_posted_at_the_action_or_ahead_train_like_single[1f1b-2-2]",),
     ),
     Mutation(
+        "dualpipev-backward-first",
+        "pipeline: DualPipeV's steady phase runs each pair's backward before its forward (peak "
+        "2p chunks, not the 2p + 1 the formula derives)",
+        "dlab/layout/schedules.py",
+        (("        fwd(0)\n        bwd(1)\n        fwd(1)\n        bwd(0)\n",
+          "        bwd(1)\n        fwd(0)\n        bwd(0)\n        fwd(1)\n"),),
+        ("tests/test_pipeline_schedules.py::test_dualpipev_pairs_a_forward_with_a_backward",
+         "tests/test_pipeline_schedules.py::test_activations_in_flight_match_the_formula"),
+    ),
+    Mutation(
+        "one-f-one-b-judge-stage-0",
+        "exercises: the one_f_one_b checker bounds the activations in flight on stage 0 only",
+        "dlab/exercises/local.py",
+        (("    for s, got in enumerate(orders):\n", "    for s, got in enumerate(orders[:1]):\n"),),
+        ("tests/test_exercises.py::test_a_mistake_wrong_only_off_rank_0_is_named",),
+    ),
+    Mutation(
         "zero-resume-cut-state",
         "zero: a resume restores the optimizer state only of parameters wholly inside a rank's "
         "chunk; those a shard boundary cuts restart from zero momentum",

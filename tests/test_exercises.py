@@ -56,7 +56,8 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
     "one_f_one_b": ("def one_f_one_b(stage, n_stages, microbatches):\n"  # GPipe's order
                     "    return [('F', i) for i in range(microbatches)] + "
                     "[('B', i) for i in range(microbatches)]\n",
-                    "4 stages, 6 micro-batches, stage 0, action 4: expected B0, got F4"),
+                    "4 stages, 6 micro-batches, stage 0: after action 4 (F4) it holds 5 "
+                    "micro-batches' activations; 1F1B holds at most min(p - s, m) = 4"),
     "column_parallel_linear": ("def column_parallel_linear(x, w_shard, b_shard):\n"
                                "    return x @ w_shard.T + b_shard\n",  # f forgotten
                                "rank 0, gradient of x (does f all-reduce it?): element (0, 0)"),
@@ -188,6 +189,28 @@ PROPERTY_MISTAKES = {  # exercise: [(wrong answer, what the report must say), ..
          "    return rows, row_expert\n", "experts of the rows received: element"),
     ],
 }
+
+
+
+
+# mistakes right on rank (or stage) 0 and wrong only on another: a judge that looks at rank 0
+# alone passes them (#41)
+NONZERO_RANK_MISTAKES = {
+    "one_f_one_b": ("def one_f_one_b(stage, n_stages, microbatches):\n"  # stage left out
+                    "    warm = min(n_stages - 1, microbatches)\n"
+                    "    order = [('F', i) for i in range(warm)]\n"
+                    "    for i in range(microbatches - warm):\n"
+                    "        order += [('F', warm + i), ('B', i)]\n"
+                    "    return order + [('B', i) for i in range(microbatches - warm, microbatches)]\n",
+                    "4 stages, 6 micro-batches, stage 1: after action 3 (F3) it holds 4"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NONZERO_RANK_MISTAKES))
+def test_a_mistake_wrong_only_off_rank_0_is_named(name, runs_dir):
+    wrong, says = NONZERO_RANK_MISTAKES[name]
+    report = check(name, wrong, runs_dir=str(runs_dir))
+    assert not report.ok and says in report.message, report
 
 
 def test_every_exercise_has_a_solution_and_a_mistake():

@@ -1,5 +1,6 @@
 """Every pipeline schedule trains exactly like ``single``: the same losses and final parameters
-at 2 and 4 stages and as 2 pipelines x 2 data-parallel replicas (fp32 on Gloo, to 1e-5), with
+at 2 and 4 stages and as 2 pipelines x 2 data-parallel replicas (fp32 SGD on Gloo, to 1e-5, every
+rank compared: Adam would hide a gradient off by a constant factor, ``helpers.py``), with
 every action on the timeline; GPipe's and 1F1B's activation peaks in the ratio the formula
 gives; bad configs refused before any process starts."""
 from __future__ import annotations
@@ -15,9 +16,14 @@ from dlab.theory import pipeline as est
 from dlab.theory.simulate import bubble, bubble_of_ops
 
 # 8 blocks, so 4 ranks x 2 virtual stages each still get a block per stage.
-PIPE_GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
+PIPE_GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",
             "model_options": {"n_layer": 8, "d_model": 32, "n_head": 2, "seq_len": 32}}
-NAMES = ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
+NAMES = ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
+
+
+def microbatches(name: str, p: int) -> int:
+    """The default 4, except naive (1) and DualPipeV, which needs m >= 2p."""
+    return 1 if name == "naive" else max(4, 2 * p) if name == "dualpipev" else 4
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +35,8 @@ def pipeline_runs(tmp_path_factory):
     def get(name: str, world: int, dp: int = 1) -> dlab.Run:
         if (name, world, dp) not in cache:
             options = {"dp": dp} if dp > 1 else {}
+            if name == "dualpipev":
+                options["microbatches"] = microbatches(name, world // dp)
             cache[(name, world, dp)] = dlab.launch(f"pipeline-{name}", world, runs_dir=root,
                                                    wait=True, save_final=True, options=options,
                                                    **PIPE_GPT)
@@ -53,8 +61,8 @@ def test_schedule_matches_single(name, world, pipeline_runs, reference):
     assert_same_training(run, reference(**PIPE_GPT))
     assert all(losses(run, r) == losses(run, 0) for r in range(world))
     # every action of the schedule is on the timeline, tagged with its stage and micro-batch
-    m = 1 if name == "naive" else 4
-    sched = schedules.build(name, world, m, 2 if name in ("interleaved", "zbv") else 1)
+    sched = schedules.build(name, world, microbatches(name, world),
+                            2 if name in ("interleaved", *schedules.V_SHAPED) else 1)
     for r in range(world):
         events = [e for e in run.timeline(r) if e["step"] == 0 and "stage" in e]
         got = [(e["kind"], e["stage"], e["mb"]) for e in events]
@@ -79,8 +87,8 @@ def test_pipeline_times_data_parallel_matches_single(name, pipeline_runs, refere
     # Per step, every rank all-reduces its gradients, all of them, with its replica in the other
     # pipeline: 2 (d-1)/d = 1 copy. Where the first and the last stage sit on different ranks,
     # each end first all-reduces the tied matrix with the other (2 ranks: the ring sends it
-    # once); ZB-V's V puts stages 0 and 2p-1 on the same rank, which sums the two locally.
-    ends_apart = name != "zbv"
+    # once); a V puts stages 0 and 2p-1 on the same rank, which sums the two locally.
+    ends_apart = name not in schedules.V_SHAPED
     tied = 4 * 256 * PIPE_GPT["model_options"]["d_model"]
     for r in range(4):
         for m in run.metrics(r):
@@ -179,3 +187,14 @@ def test_receives_posted_ahead_are_refused_on_nccl():
     assert not any("recv_ahead" in p for p in cls.problems(config(backend="nccl")))
     refused = cls.problems(config(backend="nccl", options={"recv_ahead": 2}))
     assert any("recv_ahead=2 can deadlock on NCCL" in p for p in refused), refused
+
+
+def test_dualpipev_too_few_microbatches_is_refused_before_start(runs_dir):
+    """DualPipeV fills both legs of its V before the steady phase: m >= 2p, in ``pipeline-*``
+    and in ``nd`` alike, said before any process starts."""
+    with pytest.raises(ConfigError, match="at least 2p = 8"):
+        dlab.launch("pipeline-dualpipev", 4, runs_dir=runs_dir, **PIPE_GPT)
+    with pytest.raises(ConfigError, match="at least 2p = 4"):
+        dlab.launch("nd", 2, runs_dir=runs_dir, options={"pp": 2, "schedule": "dualpipev",
+                                                         "microbatches": 2}, **PIPE_GPT)
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())

@@ -76,7 +76,8 @@ def test_validate_catches_broken_lists():
         simulate(Schedule("stuck", 2, 1, 2, (0, 1), stuck))
 
 
-@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
+@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv",
+                                  "dualpipev"])
 def test_simulated_bubble_matches_the_formula(name):
     checked = 0
     for _, p, m, v in (g for g in GRID if g[0] == name):
@@ -97,6 +98,9 @@ def test_bubble_formulas_at_known_points():
     assert est.bubble("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
     assert est.bubble("zb-h1", 4, 8) == pytest.approx(3 / 27)  # a third of 1F1B's idle time
     assert est.bubble("zbv", 4, 8) == pytest.approx(1.5 / 25.5)
+    # the last rank waits 3 half-stage forwards for micro-batch 0, then never again: 1.5 of 25.5
+    assert est.bubble("dualpipev", 4, 8) == pytest.approx(1.5 / 25.5)
+    assert est.bubble("dualpipev", 4, 6) is None  # refused: m < 2p
     # more micro-batches, smaller bubble; zero-bubble below 1F1B below GPipe-without-micro
     assert est.bubble("1f1b", 4, 16) < est.bubble("1f1b", 4, 8) < est.bubble("naive", 4, 1)
     assert est.bubble("zbv", 4, 16) < est.bubble("zb-h1", 4, 16) < est.bubble("1f1b", 4, 16)
@@ -119,6 +123,29 @@ def test_activations_in_flight_match_the_formula():
     # the contrast the schedules exist for: GPipe holds m, 1F1B at most p
     assert est.in_flight_of(schedules.build("gpipe", 4, 16)) == [16] * 4
     assert est.in_flight_of(schedules.build("1f1b", 4, 16)) == [4, 3, 2, 1]
+
+
+def test_dualpipev_pairs_a_forward_with_a_backward():
+    """DualPipe's point (DeepSeek-V3 report, sec. 3.2.1): in the steady phase every rank runs a
+    forward of one micro-batch next to a backward of another, on its other leg of the V. Counted
+    apart from the builder: rank r of p does 2p - r - 1 forwards of its first chunk before any
+    backward (the last rank one more: its first backward is of a micro-batch it turned), holds
+    2p + 1 chunks at its peak (p + 1/2 micro-batches), and in phase 4 the pairs
+    (F on stage r, B on stage 2p-1-r) and (F on 2p-1-r, B on r) follow each other m-2p+r+1 times."""
+    p, m = 4, 10
+    s = schedules.build("dualpipev", p, m)
+    assert s.stage_rank == (0, 1, 2, 3, 3, 2, 1, 0)
+    for r in range(p):
+        ops = [(a.kind[0].upper(), a.stage) for a in s.compute(r) if a.kind != "weight_grad"]
+        first_b = next(i for i, o in enumerate(ops) if o[0] == "B")
+        assert sum(o == ("F", r) for o in ops[:first_b]) == 2 * p - r - 1 + (r == p - 1), r
+        down, up = r, 2 * p - 1 - r
+        pair = [("F", down), ("B", up), ("F", up), ("B", down)]
+        text = "".join(f"{k}{st}" for k, st in ops)
+        assert "".join(f"{k}{st}" for k, st in pair) * (m - 2 * p + r + 1) in text, (r, text)
+    assert est.in_flight_of(s) == [p + 0.5] * p
+    with pytest.raises(ValueError, match="at least 2p = 8"):
+        schedules.build("dualpipev", 4, 6)
 
 
 def test_partition_balances_and_covers_every_block():

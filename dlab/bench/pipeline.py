@@ -12,7 +12,7 @@ the busiest rank's beside its in-flight count times one micro-batch's activation
 the naive pipeline, m = 1, on the same stages; for the zero-bubble schedules the excess is what
 pending weight gradients keep: the weight matmuls' inputs and output gradients); the median
 step time. Where PyTorch has the same schedule (``torch.distributed.pipelining``: GPipe, 1F1B,
-Interleaved1F1B, ZBVZeroBubble) the row also carries ``dlab`` / ``peer`` / ``ratio`` of step
+Interleaved1F1B, ZBVZeroBubble, DualPipeV) the row also carries ``dlab`` / ``peer`` / ``ratio`` of step
 times on the same model and split. ZB-H1 is not compared: PyTorch's zero-bubble schedules
 are the interleaved and the V ones.
 
@@ -47,13 +47,15 @@ from dlab.ui.gantt import gantt
 MODEL = {"n_layer": 8, "d_model": 256, "n_head": 4, "seq_len": 128}
 STEPS = 4
 PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-         "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
-SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
+         "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
+         "dualpipev": "ScheduleDualPipeV"}
+SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
 
 
 def configs(quick: bool) -> list[tuple[str, int, int]]:
     if quick:
-        return [("naive", 2, 1), ("1f1b", 2, 4), ("gpipe", 2, 4), ("zbv", 2, 4)]
+        return [("naive", 2, 1), ("1f1b", 2, 4), ("gpipe", 2, 4), ("zbv", 2, 4),
+                ("dualpipev", 2, 8)]
     out = []
     for p in (2, 4):
         for name in SCHEDULES:
@@ -61,6 +63,8 @@ def configs(quick: bool) -> list[tuple[str, int, int]]:
                 if name == "naive" and m != 1:
                     continue
                 if name == "interleaved" and m % p:
+                    continue
+                if name == "dualpipev" and m < 2 * p:
                     continue
                 out.append((name, p, m))
     return out
@@ -71,7 +75,7 @@ def _has_peer(name: str, p: int, m: int) -> bool:
 
 
 def _v(name: str) -> int:
-    return 2 if name in ("interleaved", "zbv") else 1
+    return 2 if name in ("interleaved", *schedules.V_SHAPED) else 1
 
 
 def measure(name: str, p: int, m: int, runs_dir: str, recv_ahead: int | None = None) -> dict:
@@ -117,9 +121,9 @@ def run(quick: bool = False) -> list[dict]:
                 predicted = est.in_flight(name, p, m, peak_rank, v) * unit[p][peak_rank]
                 row["act_formula_MiB"] = round(predicted / 2 ** 20, 2)
             row["step_s"] = round(got["step_s"], 4)
-            if _has_peer(name, p, m) and (not quick or name == "1f1b"):
-                peer = statistics.median(spawn(torch_step_times, p, name, p, m, MODEL, STEPS,
-                                               runs_dir=runs_dir)[0][1:])
+            if _has_peer(name, p, m) and (not quick or name in ("1f1b", "dualpipev")):
+                peer = statistics.median(spawn(torch_run, p, name, p, m, MODEL, STEPS,
+                                               runs_dir=runs_dir)[0]["step_s"][1:])
                 row = compared(got["step_s"], peer, **row, metric="step_s")
             rows.append(row)
         rows += sweep_recv_ahead(runs_dir, quick)
@@ -136,16 +140,21 @@ def sweep_recv_ahead(runs_dir: str, quick: bool) -> list[dict]:
             for name, p, m in cases for k in (0, 1, 2, 4)]
 
 
-def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int) -> list[float]:
-    """On each rank: PyTorch's schedule on the same GPT and the same stage split, one Adam step
-    per iteration (and the tied matrix's gradient summed between its two holders, as dlab
-    does); returns the step times."""
+def torch_run(name: str, p: int, m: int, model_options: dict, steps: int,
+              batch_size: int | None = None, optimizer: str = "adam", lr: float = 1e-4) -> dict:
+    """On each rank: PyTorch's schedule on the same GPT, the same stage split and the same data
+    (dlab's ``global_batch``, ``batch_size`` sequences, default m), one optimizer step per
+    iteration (SGD as dlab's: momentum 0.9), the tied matrix's gradient summed between its two
+    holders as dlab does. Returns the step times, the step losses (mean over the micro-batches,
+    on the rank holding the last stage; None elsewhere) and the bytes this rank sent point to
+    point, counted where every transfer of ``torch.distributed.pipelining`` is posted
+    (``schedules._batch_p2p``): its p2p bypasses dlab's counting ``Comm``."""
     import time
 
     import torch
     import torch.distributed as dist
     import torch.distributed.pipelining as pipelining
-
+    from torch.distributed.pipelining import schedules as torch_schedules
 
     rank = dist.get_rank()
     v = _v(name)
@@ -153,7 +162,7 @@ def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int)
     model = models.build("gpt", model_options, 0)
     blocks, first, last = param_costs(model)
     ranges = partition(blocks, n, first, last)
-    if name == "zbv":
+    if name in schedules.V_SHAPED:
         mine = [rank, 2 * p - 1 - rank]
     else:
         mine = [rank + k * p for k in range(v)]
@@ -161,30 +170,54 @@ def torch_step_times(name: str, p: int, m: int, model_options: dict, steps: int)
     stages = [pipelining.PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
     params = list({id(t): t for mod in mods.values()
                    for t in mod.named_full_parameters().values()}.values())
-    optimizer = torch.optim.Adam(params, lr=1e-4)
+    opt = (torch.optim.Adam(params, lr=lr) if optimizer == "adam"
+           else torch.optim.SGD(params, lr=lr, momentum=0.9))
     cls = getattr(pipelining, PEERS[name])
-    sched = cls(stages[0] if v == 1 else stages, n_microbatches=m, loss_fn=models.GPT.criterion)
-    data = make_data(RunConfig(strategy="single", batch_size=m, model_options=model_options))
+    # scale_grads=False, and the 1/m applied below to every parameter: PyTorch divides the
+    # gradients of ``stage.submod.parameters()`` only, and the last stage's head uses the tied
+    # matrix without registering it, so its gradient there would stay m times too large
+    sched = cls(stages[0] if v == 1 else stages, n_microbatches=m, loss_fn=models.GPT.criterion,
+                scale_grads=False)
+    data = make_data(RunConfig(strategy="single", batch_size=batch_size or m,
+                               model_options=model_options))
     holds_first, holds_last = 0 in mine, n - 1 in mine
     tied = model.embed.tok.weight
-    tied_group = dist.new_group([0, p - 1]) if name != "zbv" else None
-    out = []
-    for step in range(steps):
-        x, y = data.global_batch(step)
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        kwargs = {"target": y, "losses": []} if holds_last else {}
-        if holds_first:
-            sched.step(x, **kwargs)
-        else:
-            sched.step(**kwargs)
-        if tied_group is not None and (holds_first or holds_last):
-            if tied.grad is None:
-                tied.grad = torch.zeros_like(tied)
-            dist.all_reduce(tied.grad, group=tied_group)
-        optimizer.step()
-        out.append(time.perf_counter() - start)
+    tied_group = dist.new_group([0, p - 1]) if name not in schedules.V_SHAPED else None
+    sent = [0]
+    batch_p2p = torch_schedules._batch_p2p
+
+    def counted(ops, desc=None):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                       if op.op is dist.isend)
+        return batch_p2p(ops, desc)
+
+    torch_schedules._batch_p2p = counted
+    out = {"step_s": [], "losses": [], "sent_bytes": []}
+    try:
+        for step in range(steps):
+            x, y = data.global_batch(step)
+            dist.barrier()
+            start, sent[0] = time.perf_counter(), 0
+            opt.zero_grad()
+            losses: list = []
+            kwargs = {"target": y, "losses": losses} if holds_last else {}
+            if holds_first:
+                sched.step(x, **kwargs)
+            else:
+                sched.step(**kwargs)
+            for t in params:
+                if t.grad is not None:
+                    t.grad.div_(m)
+            if tied_group is not None and (holds_first or holds_last):
+                if tied.grad is None:
+                    tied.grad = torch.zeros_like(tied)
+                dist.all_reduce(tied.grad, group=tied_group)
+            opt.step()
+            out["step_s"].append(time.perf_counter() - start)
+            out["losses"].append(float(torch.stack(losses).mean()) if holds_last else None)
+            out["sent_bytes"].append(sent[0])
+    finally:
+        torch_schedules._batch_p2p = batch_p2p
     return out
 
 

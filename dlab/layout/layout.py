@@ -112,7 +112,7 @@ class Layout:
         dp = o.get("dp", world_size // rest if rest and world_size % rest == 0 else 0)
         schedule = o.get("schedule", "1f1b")
         m = o.get("microbatches", 1 if pp == 1 or schedule == "naive" else 4)
-        v = o.get("virtual_stages", 2 if schedule in ("interleaved", "zbv") else 1)
+        v = o.get("virtual_stages", 2 if schedule in ("interleaved", *schedules.V_SHAPED) else 1)
         return cls(dp=dp, pp=pp, tp=tp, cp=cp, ep=o.get("ep", 1), zero=o.get("zero", 0),
                    schedule=schedule, microbatches=m, virtual_stages=v,
                    sequence_parallel=bool(o.get("sequence_parallel", False)),
@@ -279,7 +279,7 @@ class Layout:
         found = schedules.problems(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         if found:
             return found
-        if lab and self.tp > 1 and self.schedule in ("zb-h1", "zbv"):
+        if lab and self.tp > 1 and self.schedule in schedules.SPLIT_BACKWARD:
             out.append(f"{self.schedule} splits the backward of nn.Linear layers, and the "
                        f"tensor-parallel layers are not split here: use tp=1, or gpipe, 1f1b or "
                        f"interleaved with tp")

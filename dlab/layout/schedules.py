@@ -124,20 +124,23 @@ def problems(name: str, p: int, m: int, v: int = 1) -> list[str]:
     if name == "naive" and m != 1:
         return [f"the naive pipeline runs the whole batch at once (m=1), not m={m}; use gpipe or "
                 f"1f1b for micro-batches"]
-    if v > 1 and name not in ("interleaved", "zbv"):
+    if v > 1 and name not in ("interleaved", *V_SHAPED):
         return [f"virtual_stages={v} needs the interleaved or zbv schedule; {name} places one "
                 f"stage per rank"]
     if name == "interleaved" and m % p:
         return [f"interleaved 1F1B sends micro-batches in groups of p={p}: microbatches={m} must "
                 f"be a multiple of {p}"]
-    if name == "zbv" and v != 2:
+    if name in V_SHAPED and v != 2:
         return [f"the V schedule places exactly 2 stages per rank (virtual_stages=2), not {v}"]
+    if name == "dualpipev" and m < 2 * p:
+        return [f"DualPipeV fills both legs of the V before its steady phase: microbatches={m} "
+                f"must be at least 2p = {2 * p}"]
     return []
 
 
 def n_stages(name: str, p: int, v: int = 1) -> int:
     """How many pieces the schedule cuts the model into: p, or v per rank (interleaved, V)."""
-    return p * v if name in ("interleaved", "zbv") else p
+    return p * v if name in ("interleaved", *V_SHAPED) else p
 
 
 def _check(name: str, p: int, m: int, v: int) -> None:
@@ -298,19 +301,103 @@ def zbv(p: int, m: int, v: int = 2) -> Schedule:
     half-size chunks = p micro-batches per rank), up to p more chunks may wait for their W.
     Once m >= 2p the only idle time left is the pipeline's fill: (p-1) half-stage forwards."""
     _check("zbv", p, m, v)
-    placement = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    placement = _v_placement(p)
     orders = _list_schedule(p, m, placement, [2 * p] * p, [3 * p] * p)
     return Schedule("zbv", p, m, 2 * p, placement, _with_comms(orders, placement),
                     split_backward=True)
 
 
+def _v_placement(p: int) -> tuple[int, ...]:
+    """Stages r and 2p-1-r on rank r: the model folded in a V."""
+    return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+
+
+def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
+    """Rank r's compute order in DualPipeV's eight phases (``dualpipev``'s docstring)."""
+    chunk = (r, 2 * p - 1 - r)  # chunk 0 on the way down, chunk 1 on the way back
+    nxt = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+    deferred: list[Action] = []
+    order: list[Action] = []
+
+    def fwd(c: int) -> None:
+        order.append(F(chunk[c], nxt[("F", c)]))
+        nxt[("F", c)] += 1
+
+    def bwd(c: int, defer: bool = False) -> None:
+        act = B(chunk[c], nxt[("B", c)])
+        nxt[("B", c)] += 1
+        order.append(act)
+        (deferred if defer else order).append(W(act.stage, act.mb))
+
+    for _ in range(2 * (p - r - 1)):
+        fwd(0)
+    for _ in range(r + 1):
+        fwd(0)
+        fwd(1)
+    for _ in range(p - r - 1):
+        bwd(1)
+        fwd(1)
+    for _ in range(m - 2 * p + r + 1):
+        fwd(0)
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    for _ in range(p - r - 1):
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    # DeepSeek's phase 6: W is deferred from the middle pair on (for B1 on odd ranks, from B0
+    # on even ones), so r+1 W's wait for the drain
+    half = (r + 1) // 2
+    for i in range(r + 1):
+        bwd(1, defer=i > half or (i == half and r % 2 == 1))
+        bwd(0, defer=i >= half)
+    for _ in range(p - r - 1):
+        order.append(deferred.pop(0))
+        bwd(0, defer=True)
+    return order + deferred
+
+
+def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
+    """DualPipeV: DualPipe (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.2.1) cut in
+    half into a V, as DeepSeek's open ``dualpipev.py`` and ``torch``'s ``ScheduleDualPipeV`` do.
+
+    DualPipe feeds micro-batches into both ends of the pipeline at once, so every rank holds a
+    forward of one micro-batch and a backward of another at the same time and runs them as one
+    overlapped "F&B" chunk (the all-to-all of one hides behind the compute of the other). Folding
+    its two directions into a V gives each rank stages r and 2p-1-r (chunk 0 goes down the ranks,
+    chunk 1 comes back up). Rank r runs eight phases (``m >= 2p``):
+
+    1. 2(p-r-1) forwards of chunk 0 (filling the first leg);
+    2. r+1 pairs F0, F1 (the turn: the last rank starts chunk 1 at once);
+    3. p-r-1 times B1, W1, F1 (a full backward of chunk 1, then one more forward);
+    4. m-2p+r+1 times F0&B1, F1&B0: the steady phase, a forward and a backward per slot;
+    5. p-r-1 times B1, F1&B0 (chunk 0's input runs out);
+    6. r+1 pairs B1, B0; from the middle pair on the weight gradient W is deferred;
+    7. p-r-1 times W, B0 (deferred W's fill the drain, as in zero-bubble schedules);
+    8. r+1 W's.
+
+    Outside phases 6-7 each B is followed at once by its W (a whole backward). "F&B" runs here
+    as F then B: on one CPU process nothing overlaps, so the overlap DualPipe is built for shows
+    as the pair's two ops back to back (``dlab.theory.pipeline.bubble`` models it so)."""
+    _check("dualpipev", p, m, v)
+    placement = _v_placement(p)
+    orders = [_dualpipev_rank(p, m, r) for r in range(p)]
+    return Schedule("dualpipev", p, m, 2 * p, placement, _with_comms(orders, placement),
+                    split_backward=True)
+
+
 SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b,
-             "interleaved": interleaved, "zb-h1": zb_h1, "zbv": zbv}
+             "interleaved": interleaved, "zb-h1": zb_h1, "zbv": zbv, "dualpipev": dualpipev}
+#: the schedules that fold the model in a V, two stages per rank
+V_SHAPED = ("zbv", "dualpipev")
+#: the schedules whose backward is the input gradient only, with weight_grad actions after it
+SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The action lists of schedule ``name`` (``v=1`` for the V schedule means its 2)."""
-    if name == "zbv" and v == 1:
+    """The action lists of schedule ``name`` (``v=1`` for a V schedule means its 2)."""
+    if name in V_SHAPED and v == 1:
         v = 2
     _check(name, p, m, v)
     return SCHEDULES[name](p, m, v)

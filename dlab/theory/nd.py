@@ -213,7 +213,7 @@ def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, attention: st
     """Bytes of activations a rank at ``pp_rank`` holds: ``micro_batch`` (F above, summed
     over the rank's stages) and ``peak`` (what ``ActivationMeter`` measures over a step),
     walking the schedule's action list with each stage's own F."""
-    if lay.schedule in ("zb-h1", "zbv"):
+    if lay.schedule in schedules.SPLIT_BACKWARD:
         raise ValueError(f"the {lay.schedule} schedule's deferred weight gradients are not modelled")
     if lay.cp > 1 and attention != "ring":
         raise ValueError(f"only ring attention's saved tensors are modelled under cp, not "

@@ -14,16 +14,32 @@ gradient) of one micro-batch on one rank's share of the model:
                                                              only the fill is left: the last rank
                                                              starts after p-1 half-stage
                                                              forwards; m >= 2p, t_F = t_B = t_W
+    DualPipeV       the same as ZB-V                         DeepSeek-AI 2024 (DualPipe), cut in a
+                                                             V; m >= 2p, t_F = t_B = t_W, F&B run
+                                                             back to back (no overlap on one core)
 
 For GPipe and 1F1B the bubble time is (p-1)(t_F+t_B+t_W), so the fraction does not depend on
 the times. The zero-bubble forms hold for dlab's schedules at t_F = t_B = t_W (where they were
-built) and m >= p (ZB-H1) or m >= 2p (ZB-V); elsewhere ``bubble`` returns None and
+built) and m >= p (ZB-H1) or m >= 2p (ZB-V, DualPipeV); elsewhere ``bubble`` returns None and
 ``simulated_bubble`` gives the answer.
+
+DualPipeV's idle time, derived from its phases (``schedules.dualpipev``) at unit times with a
+stage's work split in two half-size chunks (t_F/2 each): rank r starts chunk 1 only once
+micro-batch 0 has come down the first leg, and the last rank waits (p-1) half-stage forwards
+for it: (p-1) t_F/2. From then on every slot pairs a forward with a backward whose inputs
+arrived one slot before, and the drain is filled by the p weight gradients each rank deferred
+in phases 6-7, so nothing else idles: makespan m(t_F+t_B+t_W) + (p-1) t_F/2 on every rank, the
+ZB-V figure. (DeepSeek's table gives (PP/2-1)(F&B+B-3W) for DualPipe, where F&B is a forward
+and a backward *overlapped* on one GPU; here they run in turn, F&B = F + B, and the turn costs
+what the fill costs.) With t_B != t_W the drain no longer lines up and the idle time grows
+with p faster than linearly (``simulated_bubble`` then).
 
 Activation memory is counted in micro-batches a rank holds between a forward and its backward
 (``in_flight``): GPipe holds all m, 1F1B at most p - r on rank r, interleaved 1F1B
 2(p-r-1) + (v-1)p + 1 chunks of 1/v micro-batch each; ZB-H1 like 1F1B; ZB-V at most p
-(its limit of 2p half-size chunks). Zero-bubble schedules also keep, until W, the inputs of
+(its limit of 2p half-size chunks); DualPipeV p + 1/2: phases 1-2 leave 2p chunks in flight
+on every rank, and the steady phase runs a forward before each backward, one chunk more.
+Zero-bubble schedules also keep, until W, the inputs of
 the weight matmuls and their output gradients of up to p-1 (ZB-H1) or p/2 (ZB-V) more.
 
 Receive buffers (``recv_buffer_bytes``): at a receive a rank holds the buffer it waits on and
@@ -52,7 +68,7 @@ def bubble(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: flo
     if schedule == "zb-h1":
         idle = (p - 1) * max(t_f + t_b - t_w, 0.0)
         return idle / (work + idle)
-    if schedule == "zbv":
+    if schedule in ("zbv", "dualpipev"):
         if m < 2 * p or not (t_f == t_b == t_w):
             return None
         idle = (p - 1) * t_f / 2
@@ -78,6 +94,8 @@ def in_flight(schedule: str, p: int, m: int, rank: int, v: int = 1) -> float:
         return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v
     if schedule == "zbv":
         return min(p, m)
+    if schedule == "dualpipev":
+        return p + 0.5
     raise ValueError(f"unknown schedule {schedule!r}")
 
 

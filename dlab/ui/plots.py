@@ -226,7 +226,7 @@ def bubble_panel(ax, events: list[dict], config: dict | None) -> None:
     formula = bubble_formula(layout) if layout else None
     if formula is not None:
         # the zero-bubble forms depend on the op times; dlab's are written for equal ones
-        equal = " at t_F = t_B = t_W" if layout.schedule.name in ("zb-h1", "zbv") else ""
+        equal = " at t_F = t_B = t_W" if layout.schedule.split_backward else ""
         ax.axhline(100 * formula, color="#c44e52", ls="--", lw=1.2,
                    label=f"formula (model): {100 * formula:.1f}%{equal}")
     ax.set_xticks(range(len(ranks)), [f"r{r}" for r in ranks])

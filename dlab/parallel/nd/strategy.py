@@ -4,7 +4,7 @@ expert parallelism folded onto the data ranks.
 
 ``dlab.launch("nd", 8, options={"dp": 2, "zero": 3, "pp": 2, "tp": 2})``. Options: ``pp``,
 ``dp`` (default: what the others leave), ``cp``, ``tp``, ``ep`` (degrees); ``zero`` (0-3 over
-the dp x cp data ranks); ``schedule`` (gpipe, 1f1b - default -, interleaved, zb-h1, zbv),
+the dp x cp data ranks); ``schedule`` (gpipe, 1f1b - default -, interleaved, zb-h1, zbv, dualpipev),
 ``microbatches`` (default 4 with pp > 1, else 1), ``virtual_stages``; ``sequence_parallel``;
 ``attention`` (ring, allgather, ulysses or usp, with ``ulysses`` its group size) and ``layout``
 (zigzag or contiguous) for cp;

@@ -1,4 +1,4 @@
-"""The ``pipeline-*`` strategies: one class, six schedules, and the lesson's parts beside it.
+"""The ``pipeline-*`` strategies: one class, seven schedules, and the lesson's parts beside it.
 
 The parts are the lesson: ``dlab.layout.schedules`` writes each rank's action list,
 ``executor.py`` runs it (receives posted ahead, activations and gradients crossing while the
@@ -13,7 +13,7 @@ ranks whichever name launched them.
 - ``microbatches`` (m, default 4; the naive pipeline runs 1): the data-parallel share of the
   global batch is cut into m equal micro-batches whose gradients accumulate.
 - ``virtual_stages`` (v): stages per rank for ``pipeline-interleaved`` (default 2); the
-  V-schedule always has 2.
+  V-schedules (zbv, dualpipev) always have 2.
 - ``dp`` (default 1): replicas of the whole pipeline.
 - ``tp`` (default 1): tensor parallelism inside every stage (Megatron-LM's layout,
   ``dlab.parallel.tensor``): with dp and tp both above 1 this is 3D parallelism (Narayanan et
@@ -42,7 +42,7 @@ use ``nd``, of which these are presets.
 
 The tied embedding/head matrix lives on the first and on the last stage; its two gradients are
 summed across those two ranks after the schedule, as Megatron-LM does (see ``split.py``), so
-both copies take the same optimizer step. On the V-schedule both stages are on rank 0 and
+both copies take the same optimizer step. On the V-schedules both stages are on rank 0 and
 autograd sums the two uses itself.
 """
 from __future__ import annotations
@@ -118,3 +118,9 @@ class PipelineZBH1(Pipeline):
 class PipelineZBV(Pipeline):
     """ZB-V: two stages per rank in a V, split backward (Qi et al. 2024)."""
     schedule = "zbv"
+
+
+@register("pipeline-dualpipev")
+class PipelineDualPipeV(Pipeline):
+    """DualPipeV: DeepSeek's DualPipe folded in a V, F and B of two micro-batches paired."""
+    schedule = "dualpipev"
