@@ -5,6 +5,8 @@ momentum: the momentum is the optimizer state a resume must restore). The same l
 bit for bit. The 8-rank cases of issue #40 are ``slow``."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from helpers import final_state, losses, max_param_diff
@@ -63,6 +65,30 @@ def test_same_layout_resumes_bit_for_bit(runs_dir):
     for r in range(4):
         mine, want = final_state(again, r), final_state(clean, r)
         assert all(torch.equal(mine[k], want[k]) for k in want), r
+    # refused before any process starts: another model, and a checkpoint missing a rank's pieces
+    wider = {**GPT, "model_options": {**GPT["model_options"], "d_model": 64}}
+    with pytest.raises(dlab.ConfigError, match="checkpoint has d_model=32, this run d_model=64"):
+        dlab.launch("nd", 2, runs_dir=runs_dir, resume=str(saved(clean)), options={"tp": 2}, **wider)
+    maimed = runs_dir / "maimed"
+    shutil.copytree(saved(clean), maimed)
+    (maimed / "rank3.pt").unlink()
+    with pytest.raises(dlab.ConfigError, match=r"rank3\.pt is listed in the manifest but missing"):
+        dlab.launch("nd", 2, runs_dir=runs_dir, resume=str(maimed), options={"tp": 2}, **GPT)
+
+
+def test_a_missing_piece_is_refused_naming_the_tensor():
+    """Two tensor-parallel slices of a matrix, each cut in two runs (a ZeRO cut of a tp shard):
+    all four assemble the whole; without one, the reader names the tensor and the gap."""
+    full = torch.randn(6, 4)
+    pieces = []
+    for offset in (0, 2):
+        part = full.narrow(1, offset, 2).reshape(-1)
+        pieces += [checkpoint.piece(part[:5], 0, full.shape, (1, offset, 2)),
+                   checkpoint.piece(part[5:], 5, full.shape, (1, offset, 2))]
+    merged = checkpoint.merge([{"params": {"w": p}, "optim": {}} for p in pieces])
+    assert torch.equal(merged["params"]["w"]["data"].view(6, 4), full)
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=r"params w: the pieces cover 17 of 24 elements \(first missing at flat offset 11\)"):
+        checkpoint.merge([{"params": {"w": p}, "optim": {}} for p in pieces[:3]])
 
 
 EIGHT = {"pp": 2, "tp": 2, "dp": 2, "zero": 3}
