@@ -87,7 +87,8 @@ def test_a_missing_piece_is_refused_naming_the_tensor():
                    checkpoint.piece(part[5:], 5, full.shape, (1, offset, 2))]
     merged = checkpoint.merge([{"params": {"w": p}, "optim": {}} for p in pieces])
     assert torch.equal(merged["params"]["w"]["data"].view(6, 4), full)
-    with pytest.raises(checkpoint.CorruptCheckpoint, match=r"params w: the pieces cover 17 of 24 elements \(first missing at flat offset 11\)"):
+    gap = r"params w: the pieces cover 17 of 24 elements \(first missing at flat offset 11\)"
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=gap):
         checkpoint.merge([{"params": {"w": p}, "optim": {}} for p in pieces[:3]])
 
 
