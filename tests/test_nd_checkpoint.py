@@ -119,3 +119,21 @@ def test_pp2_tp2_dp2_zero3_resumes_bit_for_bit(runs_dir):
     again = dlab.launch("nd", 8, runs_dir=runs_dir, wait=True, resume=str(saved(clean)),
                         options=EIGHT, **GPT)
     assert_continues(again, clean, 0.0)
+
+
+MOE = {**GPT, "model": "moe", "model_options": {**GPT["model_options"], "n_layer": 2,
+                                                 "n_expert": 4, "top_k": 2}}
+
+
+@pytest.mark.slow
+def test_experts_reshard_across_ep(runs_dir):
+    """Saved with the experts spread over ep 2 (each rank holds 2 of 4 under their global
+    names, replicated over tp), loaded with ZeRO-2 over ep 2 x dp 2 without tp, and by
+    ``single`` (every expert whole)."""
+    clean = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, checkpoint_every=SAVED_AT,
+                        options={"dp": 2, "ep": 2, "tp": 2}, **MOE)
+    other = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, resume=str(saved(clean)),
+                        options={"dp": 4, "ep": 2, "zero": 2}, **MOE)
+    one = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, resume=str(saved(clean)), **MOE)
+    for later in (other, one):
+        assert_continues(later, clean, 1e-5)
