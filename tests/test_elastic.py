@@ -49,8 +49,7 @@ def test_nd_loses_an_agent_and_reshards_its_layout(runs_dir, reference):
     x tp2) after an agent is lost, then 4 again; each restart cuts its pieces out of the
     newest checkpoint at the new layout, and the run ends as ``single`` does (1e-5, every
     rank)."""
-    config = {**CONFIG, "steps": 24, "options": {"tp": 2, "zero": 2},
-              "fault": {**PACE, "delay_s": 0.3}}
+    config = {**CONFIG, "options": {"tp": 2, "zero": 2}, "fault": PACE}
     e = rehearse("nd", lose_at=2, back_after=2, runs_dir=runs_dir, **config)
     assert [w for w, _ in e.phases][-3:] == [4, 2, 4], e.phases
     assert e.exit_codes == [0, 0], e.exit_codes
