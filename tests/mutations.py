@@ -211,6 +211,19 @@ MUTATIONS = [
         (("            objective = loss * (self.loss_weight / k)\n",
           "            objective = loss * self.loss_weight\n"),),
         ("tests/test_mixed_precision.py::test_accumulated_micro_batches_give_the_whole_batch_step",),
+        "nd-ckpt-drops-optim",
+        "nd's loader restores a resharded parameter but not its momentum (ZeRO 0 ranks)",
+        "dlab/parallel/nd/state.py",
+        (("                    opt.state[q] = state\n", "                    pass\n"),),
+        ("tests/test_nd_checkpoint.py::test_pp2_dp2_zero2_reshards_into_tp2_and_single",),
+    ),
+    Mutation(
+        "nd-ckpt-tp-offset",
+        "nd's checkpoint puts every tensor-parallel rank's slice at offset 0",
+        "dlab/parallel/nd/state.py",
+        (('    return (dim, nd.mesh.rank("tp") * size, size), shape\n',
+          "    return (dim, 0, size), shape\n"),),
+        ("tests/test_nd_checkpoint.py::test_pp2_dp2_zero2_reshards_into_tp2_and_single",),
     ),
 ]
 

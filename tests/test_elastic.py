@@ -44,6 +44,22 @@ def test_an_agent_lost_and_back_shrinks_grows_and_trains_the_same(runs_dir, refe
     assert_ranks_agree(e.run)
 
 
+def test_nd_loses_an_agent_and_reshards_its_layout(runs_dir, reference):
+    """``nd`` with tp2 x ZeRO-2 over what dp the world leaves: 4 ranks (dp2 x tp2), then 2 (dp1
+    x tp2) after an agent is lost, then 4 again; each restart cuts its pieces out of the
+    newest checkpoint at the new layout, and the run ends as ``single`` does (1e-5, every
+    rank)."""
+    config = {**CONFIG, "options": {"tp": 2, "zero": 2}, "fault": PACE}
+    e = rehearse("nd", lose_at=2, back_after=2, runs_dir=runs_dir, **config)
+    assert [w for w, _ in e.phases][-3:] == [4, 2, 4], e.phases
+    assert e.exit_codes == [0, 0], e.exit_codes
+    ref = final_state(reference(**{k: v for k, v in config.items()
+                                   if k not in ("checkpoint_every", "options", "fault")}))
+    for r in range(e.run.world_size):
+        got = final_state(e.run, r)
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5, r
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"checkpoint_every": 0}, "checkpoint_every"),
     ({"batch_size": 6}, "batch_size"),

@@ -185,3 +185,21 @@ def test_sigterm_to_the_cli_while_the_ranks_checkpoint_reads_preempted(runs_dir)
     assert run.state == "preempted" and all(r["preempted"] for r in reports), run.status()
     (stop,) = {r["resume_from"] for r in reports}
     assert (run_dir / "checkpoints").is_dir() and stop > 0
+
+
+def test_a_preempted_nd_run_resumes_bit_for_bit(runs_dir):
+    """The same notice under ``nd`` with ZeRO-3 (each rank checkpoints its own cut of every
+    parameter and of its momentum, on the agreed step) and dp x tp on resume - the layout it
+    was preempted in - ends where the uninterrupted run ends, bit for bit, on every rank."""
+    cfg = {**TINY_GPT, "steps": 6, "options": {"dp": 2, "zero": 3}}
+    whole = dlab.launch("nd", 2, runs_dir=runs_dir, wait=True, save_final=True, **cfg)
+    cut = dlab.launch("nd", 2, runs_dir=runs_dir, wait=True, checkpoint_every=100,
+                      checkpoint_async=True, fault={"rank": 1, "step": 2, "kind": "preempt"}, **cfg)
+    assert cut.state == "preempted"
+    stop = {r["resume_from"] for r in cut.status()["ranks"].values()}
+    assert len(stop) == 1 and 2 < stop.pop() < 6
+    resumed = dlab.launch("nd", 2, runs_dir=runs_dir, wait=True, save_final=True,
+                          resume=str(cut.path), **cfg)
+    for r in range(2):
+        a, b = final_state(whole, r), final_state(resumed, r)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {r} resumed differs from whole"

@@ -5,7 +5,10 @@ Format. Every tensor is stored as *pieces of its flattened full shape*: ``{"shap
 holds one piece per tensor (start 0, everything); a ZeRO rank holds the cut of each parameter
 that falls in its shard, at any offset. A reader assembles whatever range it is asked for from
 whichever files hold it, so a checkpoint written at one world size or layout loads at another
-(resharding), including into ``single``. ``torch.distributed.checkpoint`` reshards DTensor and
+(resharding), including into ``single``. A piece of a tensor-parallel shard says which slice of
+the whole tensor it is a run of (``"slice": [dim, offset, size]``: ``data`` then runs over the
+flattened ``full.narrow(dim, offset, size)``), so a ZeRO cut of a tensor-parallel shard, as
+``nd`` holds, is one piece too. ``torch.distributed.checkpoint`` reshards DTensor and
 ShardedTensor layouts; ZeRO's flat, padded shards cut parameters at arbitrary offsets, which a
 1-D range index describes directly, so dlab keeps its own small format and adds on top:
 
@@ -68,15 +71,21 @@ def run_meta(config) -> dict:
 
 # --- pieces -----------------------------------------------------------------------------------
 
-def piece(tensor: torch.Tensor, start: int = 0, shape: tuple | None = None) -> dict:
+def piece(tensor: torch.Tensor, start: int = 0, shape: tuple | None = None,
+          cut: tuple[int, int, int] | None = None) -> dict:
     """A 1-D run of a tensor's flattened elements (the whole tensor by default), copied to the
     host (from a GPU through pinned memory, landed before it is returned), so a checkpoint
-    holds CPU tensors wherever it was written and loads on a machine without a GPU."""
+    holds CPU tensors wherever it was written and loads on a machine without a GPU. ``cut``
+    ``(dim, offset, size)``: the run is of the slice ``full.narrow(dim, offset, size)`` of the
+    whole tensor of ``shape`` (a tensor-parallel shard), not of the whole tensor."""
     flat = tensor.detach().reshape(-1)
     data = to_host(flat)
     host_copies_done(flat.device)
-    return {"shape": list(shape if shape is not None else tensor.shape), "start": int(start),
-            "data": data}
+    out = {"shape": list(shape if shape is not None else tensor.shape), "start": int(start),
+           "data": data}
+    if cut is not None:
+        out["slice"] = [int(c) for c in cut]
+    return out
 
 
 def _sha256(path: Path) -> str:
@@ -213,12 +222,9 @@ def _merge_one(parts: list, what: str = "a tensor"):
     full = torch.empty(numel, dtype=parts[0]["data"].dtype)
     covered = torch.zeros(numel, dtype=torch.bool)
     for p in parts:
-        start, n = p["start"], p["data"].numel()
-        if p["shape"] != shape or start < 0 or start + n > numel:
-            raise CorruptCheckpoint(f"{what}: a piece [{start}, {start + n}) of shape {p['shape']} "
-                                    f"does not fit the tensor of shape {shape}; refusing to load it")
-        full[start:start + n] = p["data"]
-        covered[start:start + n] = True
+        at = _whole_offsets(p, shape, what)
+        full[at] = p["data"]
+        covered[at] = True
     if not bool(covered.all()):
         missing = int((~covered).sum())
         first = int((~covered).nonzero()[0])
@@ -226,6 +232,28 @@ def _merge_one(parts: list, what: str = "a tensor"):
                                 f"(first missing at flat offset {first}); a piece is missing or "
                                 f"short; refusing to load it")
     return {"shape": shape, "start": 0, "data": full}
+
+
+def _whole_offsets(p: dict, shape: list, what: str):
+    """Where a piece's elements sit in the whole flattened tensor of ``shape``: a range, or,
+    for a run over a slice (``"slice"``), the slice's flat offsets in the whole."""
+    start, n = p["start"], p["data"].numel()
+    cut = p.get("slice")
+    numel = int(torch.Size(shape).numel())
+    if cut is None:
+        if p["shape"] != shape or start < 0 or start + n > numel:
+            raise CorruptCheckpoint(f"{what}: a piece [{start}, {start + n}) of shape {p['shape']} "
+                                    f"does not fit the tensor of shape {shape}; refusing to load it")
+        return slice(start, start + n)
+    dim, offset, size = cut
+    sliced = numel // shape[dim] * size if 0 <= dim < len(shape) and shape[dim] else -1
+    if (p["shape"] != shape or not 0 <= dim < len(shape) or offset < 0 or size < 0
+            or offset + size > shape[dim] or start < 0 or start + n > sliced):
+        raise CorruptCheckpoint(f"{what}: a piece [{start}, {start + n}) of the slice {size} at "
+                                f"{offset} along dim {dim} does not fit the tensor of shape "
+                                f"{shape}; refusing to load it")
+    index = torch.arange(numel).view(shape).narrow(dim, offset, size).reshape(-1)
+    return index[start:start + n]
 
 
 # --- finding and loading ----------------------------------------------------------------------
@@ -326,6 +354,7 @@ class Reader:
             # map_location: a file from an older writer may hold device tensors
             self.states[name] = torch.load(file, weights_only=True, map_location="cpu")
         self.step = self.manifest["step"]
+        self._whole: dict[tuple, torch.Tensor] = {}  # assembled once: a loader reads many ranges
 
     def _pieces(self, section: str, name: str, key: str | None) -> list:
         out = []
@@ -346,11 +375,12 @@ class Reader:
         return {k for s in self.states.values() for k in s["optim"].get(name, {})}
 
     def tensor(self, section: str, name: str, key: str | None = None) -> torch.Tensor:
-        what = f"{self.path}: {section} {name}{'/' + key if key else ''}"
-        merged = _merge_one(self._pieces(section, name, key), what)
-        if isinstance(merged, torch.Tensor):
-            return merged
-        return merged["data"].view(merged["shape"])
+        if (section, name, key) not in self._whole:
+            what = f"{self.path}: {section} {name}{'/' + key if key else ''}"
+            merged = _merge_one(self._pieces(section, name, key), what)
+            self._whole[section, name, key] = (merged if isinstance(merged, torch.Tensor)
+                                               else merged["data"].view(merged["shape"]))
+        return self._whole[section, name, key]
 
     def range(self, section: str, name: str, start: int, numel: int, key: str | None = None) -> torch.Tensor:
         return self.tensor(section, name, key).reshape(-1)[start:start + numel]

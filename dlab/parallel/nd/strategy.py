@@ -51,6 +51,7 @@ from dlab.parallel.context.core import ATTENTION, ULYSSES, attention_core
 from dlab.parallel.expert.dispatch import ExpertParallelCombine, owner
 from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.mesh import Mesh
+from dlab.parallel.nd import state as nd_state
 from dlab.parallel.nd.sharding import DataSharding, stage_groups
 from dlab.parallel.pipeline.executor import Executor
 from dlab.parallel.pipeline.split import StageModule, param_costs, time_costs
@@ -334,6 +335,13 @@ class ND(Strategy):
             dist.all_gather_object(gathered, mine, group=group)
             mine = {k: v for part in gathered for k, v in part.items()}
         return {k: mine[k] for k in self.state_keys}
+
+    # --- checkpoints: the logical tensors' pieces (dlab.parallel.nd.state) --------------------
+    def checkpoint_state(self):
+        return nd_state.checkpoint_state(self)
+
+    def load_checkpoint_state(self, reader):
+        nd_state.load_checkpoint_state(self, reader)
 
     def comms(self):
         extra = [self.data_comm, self.tied_comm, self.expert_comm, self.expert_data_comm]

@@ -131,6 +131,16 @@ class FlatUnit:
                 out[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
         return out
 
+    def owned_cuts(self):
+        """``(slot, start in the parameter, start in the shard, count)`` for every parameter that
+        this rank's chunk cuts: the chunk boundaries fall anywhere, mid-parameter included
+        (what a checkpoint saves and loads of a sharded unit)."""
+        lo, hi = self.owned.start, self.owned.stop
+        for s in self.slots:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                yield s, a - s.offset, a - lo, b - a
+
     def unflatten(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{parameter name: its piece of the full flat tensor}`` (views)."""
         return {s.name: full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots}

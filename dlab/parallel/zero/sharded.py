@@ -307,15 +307,6 @@ class ZeroStrategy(Strategy):
         return total
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def _owned_cuts(self, u: FlatUnit):
-        """``(slot, start in the parameter, start in the shard, count)`` for every parameter that
-        this rank's chunk cuts: the chunk boundaries fall anywhere, mid-parameter included."""
-        lo, hi = u.owned.start, u.owned.stop
-        for s in u.slots:
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < b:
-                yield s, a - s.offset, a - lo, b - a
-
     def checkpoint_state(self):
         """This rank's cut of every parameter and of its Adam moments, as pieces at their flat
         offsets in the single model's tensors (fp32 masters: the exact values), so the
@@ -324,7 +315,7 @@ class ZeroStrategy(Strategy):
         for u in self.units:
             state = self.optimizer.state.get(u.master, {})
             master = u.master.detach()
-            for s, start, at, n in self._owned_cuts(u):
+            for s, start, at, n in u.owned_cuts():
                 params[s.name] = checkpoint.piece(master[at:at + n], start, s.shape)
                 optim[s.name] = {k: checkpoint.piece(v[at:at + n], start, s.shape) if v.dim()
                                  else v.detach().clone() for k, v in state.items()}
@@ -337,7 +328,7 @@ class ZeroStrategy(Strategy):
                 master = u.master.detach()
                 keys = set().union(*(reader.keys(s.name) for s in u.slots))
                 state = {k: torch.zeros_like(master) for k in keys if k != "step"}
-                for s, start, at, n in self._owned_cuts(u):
+                for s, start, at, n in u.owned_cuts():
                     master[at:at + n].copy_(reader.range("params", s.name, start, n))
                     for k in state:
                         state[k][at:at + n].copy_(reader.range("optim", s.name, start, n, k))
