@@ -88,6 +88,18 @@ def test_two_dimensions_on_four_ranks_train_like_single(config, options, runs_di
     check(4, config, options, runs_dir, reference)
 
 
+@pytest.mark.parametrize("options", [
+    {"pp": 2},  # the pipeline, and the tied embedding/head matrix summed over its two stages
+    {"dp": 2, "zero": 1},
+    {"dp": 2, "zero": 2},
+], ids=str)
+def test_pipeline_and_zero_on_two_ranks_train_like_single(options, runs_dir, reference):
+    """The default run's pipeline and ZeRO-1/2 cases (#41), two ranks each: ``pp=2`` puts the
+    embedding on one rank and the head with its copy of the tied matrix on the other, so a
+    tied gradient not summed (or summed twice) trains each copy apart from ``single``'s one."""
+    check(2, GPT, options, runs_dir, reference)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,config,options", WIDE, ids=[_id(c) for c in WIDE])
 def test_three_and_four_dimensions_train_like_single(world, config, options, runs_dir, reference):
