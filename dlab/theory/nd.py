@@ -63,7 +63,7 @@ from dlab.layout.stages import partition
 from dlab.models import MODELS
 from dlab.models import recompute as rc
 from dlab.theory import activations as act
-from dlab.theory import context, tensor
+from dlab.theory import context, expert, tensor
 from dlab.theory.memory import padded
 
 FP32 = 4
@@ -208,6 +208,22 @@ def step_bytes(cfg, lay: Layout, global_batch: int, pp_rank: int,
             out["data"] += ring * FP32 * padded(u, n) * (1 + gathers)
     out["total"] = sum(out.values())
     return out
+
+
+def expert_bytes(cfg, lay: Layout, pp_rank: int, sent: int, received: int, bytes_per: int = FP32
+                 ) -> int:
+    """Bytes a rank at ``pp_rank`` sends over its expert-parallel group in a step, given the
+    rows the step's routing actually sent to and received from other ranks (``sent``,
+    ``received``, summed over its MoE layers and micro-batches, as ``nd`` records them in
+    ``expert_rows``): ``estimate.expert.all_to_all_bytes`` per call, one call per MoE layer of
+    its stages and micro-batch, again for a block recomputed whole (its forward runs twice);
+    rows of ``bytes_per``-byte elements (the compute dtype)."""
+    ranges, mine, _ = _stages(cfg, lay, pp_rank)
+    whole = set(rc.recomputed_blocks(cfg.n_layer, cfg.recompute, cfg.recompute_every))
+    calls = lay.microbatches * sum(1 + (i in whole) for s in mine for i in ranges[s])
+    # the counts' all-to-all is paid per call, the rows once over all of them
+    return (calls - 1) * (lay.ep - 1) * 8 + expert.all_to_all_bytes(
+        lay.ep, cfg.d_model, sent, received, bytes_per)
 
 
 def _replicated(cfg, blocks: int, first: bool, last: bool) -> int:

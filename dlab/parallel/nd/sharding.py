@@ -200,7 +200,7 @@ class DataSharding:
     def after_step(self) -> None:
         """Refresh the compute copies from the updated masters, then (stages 1-2) all-gather
         the whole replica."""
-        if not self.units:
+        if not self.units and self.mixed:
             for p, m in zip(self.params, self.masters, strict=True):
                 refresh(p, m)
                 m.grad = None

@@ -242,6 +242,8 @@ class ND(Strategy):
             moe.experts = torch.nn.ModuleList(local.values())
             moe.first_expert = min(local)
             moe.combine = ExpertParallelCombine(ep_comm, local, n_expert)
+        self.combines = [block.mlp.combine for block in model.blocks]
+        self.rows_seen = (0, 0)
         return ep_comm, across
 
     def _expert_groups(self, groups) -> list:
@@ -335,6 +337,18 @@ class ND(Strategy):
         raise KeyError(name)
 
     # --- reporting ------------------------------------------------------------------------
+    def step_extras(self):
+        """``expert_rows``: the rows this rank's routing sent to and received from other expert-
+        parallel ranks in the step (``estimate.nd.expert_bytes`` predicts the all-to-all bytes
+        from them)."""
+        if self.expert_comm is None:
+            return {}
+        sent = sum(c.rows_sent for c in self.combines)
+        received = sum(c.rows_received for c in self.combines)
+        step = {"sent": sent - self.rows_seen[0], "received": received - self.rows_seen[1]}
+        self.rows_seen = (sent, received)
+        return {"expert_rows": step}
+
     def memory(self):
         mem = {"parameters": 0, "gradients": 0,
                "optimizer": storage_bytes(optimizer_tensors(self.optimizer))}
