@@ -224,6 +224,28 @@ MUTATIONS = [
         (('    return (dim, nd.mesh.rank("tp") * size, size), shape\n',
           "    return (dim, 0, size), shape\n"),),
         ("tests/test_nd_checkpoint.py::test_pp2_dp2_zero2_reshards_into_tp2_and_single",),
+        "nd-mp-masters-not-refreshed",
+        "nd, mixed precision, ZeRO >= 1: the bf16 copy is not refreshed from the updated fp32 master",
+        "dlab/parallel/nd/sharding.py",
+        (("            if self.mixed:\n                refresh(u.shard, u.master)\n", ""),),
+        ("tests/test_nd_precision.py::test_mixed_precision_trains_like_single_in_that_precision"
+         "[2-{'dp': 2, 'zero': 1}-bf16]",),
+    ),
+    Mutation(
+        "nd-mp-reduce-in-compute-dtype",
+        "bf16-fp32-grads accumulates and reduces its gradients in bf16, not fp32",
+        "dlab/parallel/mixed.py",
+        (("    return torch.float32 if prec.grad_bytes == 4 else prec.compute\n",
+          "    return prec.compute\n"),),
+        ("tests/test_nd_precision.py::test_adam_bytes_are_the_zero_papers[bf16-fp32-grads-2-4]",),
+    ),
+    Mutation(
+        "nd-tied-unreduced",
+        "nd with pp > 1: the tied embedding/head matrix's gradient is not summed over its stages",
+        "dlab/parallel/nd/strategy.py",
+        (("                self.tied_comm.all_reduce(self.dense.grad(self.stages_param(\"embed.tok.weight\")))\n",
+          "                pass\n"),),
+        ("tests/test_nd_parity.py::test_pipeline_and_zero_on_two_ranks_train_like_single[{'pp': 2}]",),
     ),
 ]
 

@@ -52,8 +52,9 @@ def _id(case) -> str:
 
 def check(world, config, options, runs_dir, reference, reference_config=None):
     """Parity with ``single`` (trained as ``reference_config``, default ``config``), then every
-    rank's model state, (GPT) bytes sent per step in total and by dimension, and activation peak
-    against ``dlab.theory.nd``: state and bytes to the byte; activations to 2 % (the meter
+    rank's model state, (GPT) bytes sent per step in total and by dimension, (MoE) the
+    all-to-all's bytes from the step's recorded routing, and activation peak against
+    ``dlab.theory.nd``: state and bytes to the byte; activations to 2 % (the meter
     counts an index tensor by its whole storage, and a micro-batch's slice keeps the rank's
     batch; a missing layer would be 25 %)."""
     run = dlab.launch("nd", world, runs_dir=runs_dir, wait=True, save_final=True,
@@ -78,6 +79,10 @@ def check(world, config, options, runs_dir, reference, reference_config=None):
                 assert m["comm"]["sent_bytes"] == pytest.approx(sent["total"], rel=1e-12), (r, sent)
                 for dim, d in m["comm_by_dim"].items():  # and each dimension's share
                     assert d["sent_bytes"] == pytest.approx(sent[dim], rel=1e-12), (r, dim, sent)
+            if lay.ep > 1:  # the all-to-all from the routing the step made
+                rows = m["expert_rows"]
+                assert m["comm_by_dim"]["expert"]["sent_bytes"] == nd.expert_bytes(
+                    mc, lay, pp_rank, rows["sent"], rows["received"]), (r, rows)
             if held:
                 assert m["memory"]["activations"] == pytest.approx(held["peak"], rel=0.02), (r, held)
     return run
@@ -86,6 +91,18 @@ def check(world, config, options, runs_dir, reference, reference_config=None):
 @pytest.mark.parametrize("config,options", FOUR, ids=[_id(c) for c in FOUR])
 def test_two_dimensions_on_four_ranks_train_like_single(config, options, runs_dir, reference):
     check(4, config, options, runs_dir, reference)
+
+
+@pytest.mark.parametrize("options", [
+    {"pp": 2},  # the pipeline, and the tied embedding/head matrix summed over its two stages
+    {"dp": 2, "zero": 1},
+    {"dp": 2, "zero": 2},
+], ids=str)
+def test_pipeline_and_zero_on_two_ranks_train_like_single(options, runs_dir, reference):
+    """The default run's pipeline and ZeRO-1/2 cases (#41), two ranks each: ``pp=2`` puts the
+    embedding on one rank and the head with its copy of the tied matrix on the other, so a
+    tied gradient not summed (or summed twice) trains each copy apart from ``single``'s one."""
+    check(2, GPT, options, runs_dir, reference)
 
 
 @pytest.mark.slow

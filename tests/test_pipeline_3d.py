@@ -12,7 +12,7 @@ from dlab.core.config import ConfigError
 from dlab.models.gpt import GPTConfig
 from dlab.theory import hybrid, tensor
 
-GPT = {"model": "gpt", "batch_size": 8, "steps": 3,
+GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",  # SGD: helpers.py says why
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
 
 # gpipe and interleaved share 1f1b's executor and stage modules (their own schedules are checked

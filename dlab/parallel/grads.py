@@ -22,7 +22,7 @@ from dlab.comm.instrumented import Comm
 def reduce_gradients(params: list[torch.Tensor], comm: Comm, divide_by: int | None = None) -> None:
     """Sum the ``.grad`` of ``params`` over ``comm``'s ranks in one flat all-reduce, divided by
     ``divide_by`` (default: the group's size, the mean), written back into each ``.grad``."""
-    grads = [p.grad for p in params]
+    grads = [_grad(p) for p in params]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -32,3 +32,10 @@ def reduce_gradients(params: list[torch.Tensor], comm: Comm, divide_by: int | No
     comm.all_reduce(flat)
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """Where ``p``'s gradient accumulates: ``.grad``, or the fp32 ``main_grad`` beside a bf16
+    parameter under ``bf16-fp32-grads`` (``dlab.parallel.mixed.MainGrads``)."""
+    main = getattr(p, "main_grad", None)
+    return p.grad if main is None else main

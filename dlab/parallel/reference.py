@@ -12,11 +12,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from dlab.core.metrics import ActivationMeter
+from dlab.core.metrics import ActivationMeter, storage_bytes
+from dlab.core.precision import LossScaler
 from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import BUCKET_CAP_MB, Option, WholeModel, data_parallel_problems
 from dlab.parallel.data_parallel import compression
+from dlab.parallel.mixed import PRECISION, fp32_master, precision_of, refresh, scaled_step
 
 #: PyTorch's compression hooks, the peers of ``ddp``'s ``compress`` options
 CAST_HOOKS = {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
@@ -25,16 +27,49 @@ HOOKS = (*CAST_HOOKS, "powersgd")
 
 @register("single")
 class Single(WholeModel):
-    """One process, the whole model and the whole global batch: the ground truth."""
+    """One process, the whole model and the whole global batch: the ground truth.
+
+    ``precision`` (``dlab.parallel.mixed``): the reference of the distributed strategies' mixed
+    precision. The optimizer steps fp32 masters (its own parameters) and the model, cast to the
+    compute dtype, is refreshed from them after each step; the loss is taken in fp32 from the
+    compute-dtype logits; fp16 scales it (``LossScaler``). One micro-batch: ``bf16-fp32-grads``
+    differs from ``bf16`` only in the bytes it holds, not in the numbers."""
     world_sizes = (1,)
     trains_moe_options = True
+    OPTIONS = {"precision": PRECISION}
 
     def setup(self) -> None:
         self.model = self.build_model()
-        self.optimizer = self.build_optimizer(self.model.parameters())
+        self.prec = precision_of(self.ctx.config)
+        self.masters = [fp32_master(p) for p in self.model.parameters()] if self.prec.mixed else []
+        self.model.to(self.prec.compute)  # the GPT has no floating-point buffers
+        self.optimizer = self.build_optimizer(self.masters or self.model.parameters())
+        self.scaler = LossScaler() if self.prec.loss_scaled else None
         self.meter = ActivationMeter(self.model.parameters())
 
     def step(self, batch):
+        if not self.prec.mixed:
+            return self._fp32_step(batch)
+        x, y = (t.to(self.ctx.device) for t in batch)
+        tl = self.ctx.timeline
+        self.model.zero_grad(set_to_none=True)
+        self.meter.reset_peak()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        with tl.span("forward"), self.meter.track():
+            loss = self.model.criterion(self.model(x).float(), y)
+        with tl.span("backward"):
+            (loss * scale).backward()
+        for p, m in zip(self.model.parameters(), self.masters, strict=True):
+            m.grad = p.grad.float()
+        if scaled_step(self.scaler, [m.grad for m in self.masters]):
+            with tl.span("optimizer"):
+                self.optimizer.step()
+        for p, m in zip(self.model.parameters(), self.masters, strict=True):
+            refresh(p, m)
+            m.grad = None
+        return loss.item()
+
+    def _fp32_step(self, batch):
         x, y = (t.to(self.ctx.device) for t in batch)
         self.optimizer.zero_grad()
         self.meter.reset_peak()
@@ -42,6 +77,20 @@ class Single(WholeModel):
         with self.ctx.timeline.span("optimizer"):
             self.optimizer.step()
         return loss.item()
+
+    def memory(self):
+        """A replica's, with the fp32 masters counted with the optimizer's state."""
+        mem = super().memory()
+        mem["optimizer"] += storage_bytes(self.masters)
+        return mem
+
+    def full_state_dict(self):
+        """The fp32 masters in mixed precision (the exact values), else the model's own."""
+        if not self.masters:
+            return super().full_state_dict()
+        master = {id(p): m for p, m in zip(self.model.parameters(), self.masters, strict=True)}
+        return {k: master[id(v)].detach().cpu().clone()  # a tied matrix under both its names
+                for k, v in self.model.state_dict(keep_vars=True).items()}
 
 
 @register("torch-ddp")

@@ -5,14 +5,16 @@ rank (which blocks, whether it has the embedding or the head) and on the layout'
 data, cp and tp coordinates only pick *which* equal share. With n = dp x cp data ranks, the
 rank's parameters form units (one per block of its stages, a root for the rest; the experts of
 a MoE layer a unit of their own over the n / ep ranks holding the same experts), each padded to
-a multiple of its group (``memory.padded``). Per element, fp32, SGD with momentum (K = 4) or
-Adam (K = 8, plus one 4-byte step counter per tensor):
+a multiple of its group (``memory.padded``). Per element, with w and g the bytes of a weight and
+of a gradient and K the optimizer's bytes (``dlab.core.precision``: fp32 w = g = 4, K = 4 for SGD
+with momentum, 8 for Adam; bf16 w = g = 2 and bf16-fp32-grads w = 2, g = 4, each with K grown by
+the 4-byte fp32 master: 8 for SGD, 12 for Adam; Adam adds one 4-byte step counter per tensor):
 
     ZeRO   parameters          gradients                      optimizer
-    0      sum u               sum u                          K sum u
-    1      sum pad(u)          sum pad(u) + sum pad(u)/n      K sum pad(u)/n
-    2      sum pad(u)          sum pad(u)/n                   K sum pad(u)/n
-    3      sum pad(u)/n        sum pad(u)/n                   K sum pad(u)/n
+    0      w sum u             g sum u                        K sum u
+    1      w sum pad(u)        g (sum pad(u) + sum pad(u)/n)  K sum pad(u)/n
+    2      w sum pad(u)        g sum pad(u)/n                 K sum pad(u)/n
+    3      w sum pad(u)/n      g sum pad(u)/n                 K sum pad(u)/n
 
 Stage 1 keeps its whole flat gradient between steps *and* the reduced shard the optimizer
 reads (``nd.sharding``). A block's parameters on a tensor-parallel rank are
@@ -54,13 +56,14 @@ import dataclasses
 
 import torch
 
+from dlab.core.precision import PRECISIONS
 from dlab.layout import schedules
 from dlab.layout.layout import Layout
 from dlab.layout.stages import partition
 from dlab.models import MODELS
 from dlab.models import recompute as rc
 from dlab.theory import activations as act
-from dlab.theory import context, tensor
+from dlab.theory import context, expert, tensor
 from dlab.theory.memory import padded
 
 FP32 = 4
@@ -101,20 +104,26 @@ def units(cfg, lay: Layout, pp_rank: int) -> tuple[list[int], list[int]]:
     return ([root] if root else []) + blocks, experts
 
 
-def _state(sizes: list[int], n: int, zero: int, k: int, counters: int) -> dict[str, int]:
+def _state(sizes: list[int], n: int, zero: int, w: int, g: int, k: int, counters: int
+           ) -> dict[str, int]:
     full = sum(padded(u, n) for u in sizes) if zero else sum(sizes)
     chunk = full // n if zero else full
-    return {"parameters": FP32 * (chunk if zero == 3 else full),
-            "gradients": FP32 * ({0: full, 1: full + chunk}.get(zero, chunk)),
+    return {"parameters": w * (chunk if zero == 3 else full),
+            "gradients": g * ({0: full, 1: full + chunk}.get(zero, chunk)),
             "optimizer": k * chunk + counters}
 
 
-def model_state(cfg, lay: Layout, pp_rank: int, optimizer: str = "sgd") -> dict[str, int]:
+def model_state(cfg, lay: Layout, pp_rank: int, optimizer: str = "sgd", precision: str = "fp32"
+                ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state a rank at ``pp_rank`` holds after a
-    step. Adam keeps a 4-byte step counter per tensor it steps: with ZeRO one per flat unit,
-    without it one per parameter tensor (``tensor_counts``)."""
+    step in ``precision`` (a name of ``dlab.core.precision.PRECISIONS``). Adam keeps a 4-byte
+    step counter per tensor it steps: with ZeRO one per flat unit, without it one per
+    parameter tensor (``tensor_counts``); mixed precision's fp32 masters are stepped in the
+    same units, so the counters do not change."""
     dense, experts = units(cfg, lay, pp_rank)
-    k = 8 if optimizer == "adam" else 4
+    prec = PRECISIONS[precision]
+    # Adam's K is the precision's; SGD keeps one momentum (4 bytes) where Adam keeps two
+    k = prec.adam_bytes if optimizer == "adam" else prec.adam_bytes - 4
     n = lay.dp * lay.cp
     tensors = tensor_counts(cfg, lay, pp_rank) if optimizer == "adam" and not lay.zero else (0, 0)
     out = {}
@@ -122,7 +131,8 @@ def model_state(cfg, lay: Layout, pp_rank: int, optimizer: str = "sgd") -> dict[
         if not sizes:
             continue
         counters = 4 * (len(sizes) if lay.zero else count) if optimizer == "adam" else 0
-        for key, val in _state(sizes, group, lay.zero, k, counters).items():
+        for key, val in _state(sizes, group, lay.zero, prec.weight_bytes, prec.grad_bytes, k,
+                               counters).items():
             out[key] = out.get(key, 0) + val
     return out
 
@@ -198,6 +208,22 @@ def step_bytes(cfg, lay: Layout, global_batch: int, pp_rank: int,
             out["data"] += ring * FP32 * padded(u, n) * (1 + gathers)
     out["total"] = sum(out.values())
     return out
+
+
+def expert_bytes(cfg, lay: Layout, pp_rank: int, sent: int, received: int, bytes_per: int = FP32
+                 ) -> int:
+    """Bytes a rank at ``pp_rank`` sends over its expert-parallel group in a step, given the
+    rows the step's routing actually sent to and received from other ranks (``sent``,
+    ``received``, summed over its MoE layers and micro-batches, as ``nd`` records them in
+    ``expert_rows``): ``estimate.expert.all_to_all_bytes`` per call, one call per MoE layer of
+    its stages and micro-batch, again for a block recomputed whole (its forward runs twice);
+    rows of ``bytes_per``-byte elements (the compute dtype)."""
+    ranges, mine, _ = _stages(cfg, lay, pp_rank)
+    whole = set(rc.recomputed_blocks(cfg.n_layer, cfg.recompute, cfg.recompute_every))
+    calls = lay.microbatches * sum(1 + (i in whole) for s in mine for i in ranges[s])
+    # the counts' all-to-all is paid per call, the rows once over all of them
+    return (calls - 1) * (lay.ep - 1) * 8 + expert.all_to_all_bytes(
+        lay.ep, cfg.d_model, sent, received, bytes_per)
 
 
 def _replicated(cfg, blocks: int, first: bool, last: bool) -> int:

@@ -21,7 +21,14 @@ it after the reduction (so its gradient memory is stage 1's during the step and 
   each micro-batch's forward and again before its backward, and freed after each (Zhao et al.,
   "PyTorch FSDP", sec. 3). The root unit is gathered for the whole step, as FSDP's root.
 
-fp32 only: mixed precision and offload are the single-dimension ``zero*`` strategies' lessons.
+Mixed precision (``precision``, ``dlab.parallel.mixed``): the model's parameters (the flat
+buffers) are in the compute dtype; the optimizer steps fp32 masters, one per owned chunk
+(ZeRO >= 1) or per parameter (stage 0), which are its own parameters: a checkpoint of the
+optimizer's parameters saves the masters, and ``after_step`` refreshes the compute copies (the
+owned chunk, then the all-gather of stages 1-2) from them. Gradients are accumulated and
+reduced in the precision's gradient dtype: bf16 (``bf16``, ``fp16``) in the flat buffers the
+``.grad`` view, fp32 (``bf16-fp32-grads``) in flat buffers that ``p.main_grad`` views.
+Offload stays the single-dimension ``zero*`` strategies' lesson.
 """
 from __future__ import annotations
 
@@ -31,7 +38,9 @@ from torch import nn
 
 from dlab.comm.instrumented import Comm
 from dlab.core.metrics import storage_bytes
+from dlab.core.precision import PRECISIONS, Precision
 from dlab.parallel.grads import reduce_gradients
+from dlab.parallel.mixed import MainGrads, fp32_master, grad_dtype, refresh
 from dlab.parallel.zero.flat import FlatUnit
 
 Group = tuple[str, nn.Module | None, list[tuple[str, nn.Parameter]]]
@@ -62,8 +71,11 @@ class DataSharding:
     sharding of the rank) and ``after_step``."""
 
     def __init__(self, stage: int, groups: list[Group], comm: Comm, device: torch.device,
-                 timeline, divide_by: int | None = None):
+                 timeline, divide_by: int | None = None, precision: Precision = PRECISIONS["fp32"]):
         self.stage, self.comm, self.n, self.tl = stage, comm, comm.size, timeline
+        self.prec, self.mixed, self.grad_dtype = precision, precision.mixed, grad_dtype(precision)
+        #: fp32 accumulation beside bf16 parameters (``bf16-fp32-grads``)
+        self.main = self.mixed and self.grad_dtype != precision.compute
         #: the summed gradient is divided by this: the data ranks whose losses it covers (an
         #: expert's gradient arrives summed over its ep group already, so it is reduced over
         #: dp x cp / ep ranks and divided by dp x cp)
@@ -71,16 +83,24 @@ class DataSharding:
         self.named = [(name, p) for _, _, ps in groups for name, p in ps]
         self.params = [p for _, p in self.named]
         self.units: list[FlatUnit] = []
+        self.main_grads = MainGrads(self.params) if self.main else None
+        self.masters: list[nn.Parameter] = []
         if stage == 0:
+            if self.mixed:  # one master per parameter, taken before the cast
+                self.masters = [fp32_master(p) for p in self.params]
+                for p in self.params:
+                    p.data = p.data.to(precision.compute)
             return
-        self.units = [FlatUnit(name, mod, ps, self.n, comm.rank, torch.float32, device)
+        self.units = [FlatUnit(name, mod, ps, self.n, comm.rank, precision.compute, device)
                       for name, mod, ps in groups]
         for u in self.units:
             u.shard = u.flat[u.owned].clone() if stage == 3 else u.flat[u.owned]
-            u.master = nn.Parameter(u.shard)
+            # fp32: the master is the owned chunk itself; mixed: an fp32 copy of its own
+            u.master = fp32_master(u.initial_shard) if self.mixed else nn.Parameter(u.shard)
             del u.initial_shard
-            u.grad_shard = torch.zeros(u.shard_numel, device=device)
+            u.grad_shard = torch.zeros(u.shard_numel, dtype=self.grad_dtype, device=device)
             u.flat_grad = None
+        self.masters = [u.master for u in self.units] if self.mixed else []
         if stage == 3:
             for u in self.units:
                 u.free()
@@ -89,7 +109,13 @@ class DataSharding:
                     u.module.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out))
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        return [u.master for u in self.units] if self.units else self.params
+        if self.units:
+            return [u.master for u in self.units]
+        return self.masters if self.mixed else self.params
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients the optimizer is about to read (for the loss scaler)."""
+        return [m.grad for m in self.optimizer_params() if m.grad is not None]
 
     # --- stage 3: a block whole only while it computes ---------------------------------------
     def _gather(self, u: FlatUnit) -> None:
@@ -115,19 +141,28 @@ class DataSharding:
         the last step in stage 1); stage 3 gathers its root unit for the whole step."""
         if not self.units:
             optimizer.zero_grad(set_to_none=True)
+            for p in self.params:
+                p.grad = None
+                if self.main:
+                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             return
         for u in self.units:
             if u.flat_grad is None:
-                u.flat_grad = torch.zeros(u.padded, device=u.grad_shard.device)
+                u.flat_grad = torch.zeros(u.padded, dtype=self.grad_dtype, device=u.grad_shard.device)
             else:
                 u.flat_grad.zero_()
-            u.flat_grad_views(u.flat_grad)
+            if self.main:
+                for s in u.slots:
+                    s.param.main_grad = u.flat_grad[s.offset:s.offset + s.numel].view(s.shape)
+            else:
+                u.flat_grad_views(u.flat_grad)
             if self.stage == 3 and u.module is None:
                 self._gather(u)
 
     def reduce(self) -> None:
         """Average the gradients over the data ranks: an all-reduce (stage 0) or a
         reduce-scatter of each unit into its owned chunk."""
+        self.fold()
         if not self.units:
             with self.tl.span("all_reduce", what="dp"):
                 reduce_gradients(self.params, self.comm, self.divide_by)
@@ -138,18 +173,41 @@ class DataSharding:
             if self.stage >= 2:
                 for p in u.params:
                     p.grad = None
+                    if self.main:
+                        p.main_grad = None
                 u.flat_grad = None
             if self.stage == 3 and u.module is None:
                 u.free()
 
+    def fold(self) -> None:
+        """``bf16-fp32-grads``: take any gradient still in ``.grad`` into the fp32 buffer."""
+        if self.main_grads is not None:
+            self.main_grads.fold()
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor ``p``'s gradient accumulates in: ``.grad``, or the fp32 ``main_grad``."""
+        return p.main_grad if self.main else p.grad
+
     def hand_grads(self) -> None:
-        """Give each owned chunk's master its reduced gradient (the optimizer steps next)."""
+        """Give each master its reduced gradient (the optimizer steps next): the reduced shard
+        itself where it is fp32, else an fp32 copy (``.float()`` copies only then)."""
         for u in self.units:
-            u.master.grad = u.grad_shard
+            u.master.grad = u.grad_shard.float()
+        if not self.units and self.mixed:
+            for p, m in zip(self.params, self.masters, strict=True):
+                m.grad = self.grad(p).float()
 
     def after_step(self) -> None:
+        """Refresh the compute copies from the updated masters, then (stages 1-2) all-gather
+        the whole replica."""
+        if not self.units and self.mixed:
+            for p, m in zip(self.params, self.masters, strict=True):
+                refresh(p, m)
+                m.grad = None
         for u in self.units:
             u.master.grad = None
+            if self.mixed:
+                refresh(u.shard, u.master)
             if self.stage in (1, 2):  # every rank needs the whole updated replica
                 with self.tl.span("all_gather", unit=u.name):
                     self.comm.all_gather_into_tensor(u.flat, u.shard)
@@ -159,19 +217,25 @@ class DataSharding:
         """Parameters and gradients counted from the storages held after the step (the
         optimizer's state is the rank's, counted once by the strategy)."""
         shards = [u.shard for u in self.units]
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [g for p in self.params for g in (p.grad, getattr(p, "main_grad", None))
+                 if g is not None]
         return {"parameters": storage_bytes(self.params + shards),
-                "gradients": storage_bytes(grads + [u.grad_shard for u in self.units])}
+                "gradients": storage_bytes(grads + [u.grad_shard for u in self.units]),
+                "optimizer": storage_bytes(self.masters)}
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (its tensor-parallel shards) whole over the data ranks,
-        under the single model's names; stage 3 gathers them from the shards (raw backend:
-        checkpoint traffic, not the step's)."""
-        if self.stage != 3:
+        under the single model's names; stage 3 gathers them from the shards, mixed precision
+        from the fp32 masters, the exact values (raw backend: checkpoint traffic, not the
+        step's)."""
+        if not self.units and self.mixed:
+            return {name: m.detach() for (name, _), m in zip(self.named, self.masters, strict=True)}
+        if self.stage != 3 and not self.mixed:
             return {name: p.detach() for name, p in self.named}
         out = {}
         for u in self.units:
             full = torch.empty(u.padded, device=u.shard.device)
-            dist.all_gather_into_tensor(full, u.shard.detach(), group=self.comm.group)
+            source = u.master if self.mixed else u.shard
+            dist.all_gather_into_tensor(full, source.detach(), group=self.comm.group)
             out.update(u.unflatten(full))
         return out

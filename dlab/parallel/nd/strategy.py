@@ -7,7 +7,8 @@ expert parallelism folded onto the data ranks.
 the dp x cp data ranks); ``schedule`` (gpipe, 1f1b - default -, interleaved, zb-h1, zbv, dualpipev),
 ``microbatches`` (default 4 with pp > 1, else 1), ``virtual_stages``; ``sequence_parallel``;
 ``attention`` (ring, allgather, ulysses or usp, with ``ulysses`` its group size) and ``layout``
-(zigzag or contiguous) for cp;
+(zigzag or contiguous) for cp; ``precision`` (``dlab.core.precision.PRECISIONS``: fp32, bf16,
+bf16-fp32-grads, fp16 with dynamic loss scaling; ``dlab.parallel.mixed``);
 ``reduce_scatter`` (backend or ring), ``recv_ahead`` and ``balance`` (deal blocks out to stages by
 parameter count, default, or by measured time). The layout, its order and its rules:
 ``dlab.layout``; the ``pipeline-*`` strategies are this one with pp alone (and dp, tp).
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from dlab.comm.instrumented import reduce_scatter_option
 from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.core.precision import LossScaler
 from dlab.layout import SCHEDULES, Layout, ranks, tokens
 from dlab.layout.stages import partition
 from dlab.models.data import make_data, shard
@@ -51,6 +53,7 @@ from dlab.parallel.context.core import ATTENTION, ULYSSES, attention_core
 from dlab.parallel.expert.dispatch import ExpertParallelCombine, owner
 from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.mesh import Mesh
+from dlab.parallel.mixed import PRECISION, precision_of, scaled_step
 from dlab.parallel.nd import state as nd_state
 from dlab.parallel.nd.sharding import DataSharding, stage_groups
 from dlab.parallel.pipeline.executor import Executor
@@ -88,6 +91,7 @@ OPTIONS = {
                         choices=tuple(ATTENTION)),
     "ulysses": ULYSSES,
     "layout": Option("choice", "how cp cuts a sequence", default="zigzag", choices=tokens.LAYOUTS),
+    "precision": PRECISION,
     **PIPELINE_OPTIONS,
     **REDUCE_SCATTER,
 }
@@ -133,7 +137,8 @@ class ND(Strategy):
         """``dlab.theory.nd.model_state`` of this rank's pipeline stage(s)."""
         lay = cls.layout(config)
         pp_rank = ranks.coords(lay.dims, rank)["pp"]
-        state = nd_theory.model_state(config.model_config(), lay, pp_rank, config.optimizer)
+        state = nd_theory.model_state(config.model_config(), lay, pp_rank, config.optimizer,
+                                      config.options.get("precision", "fp32"))
         return {k: state[k] for k in ("parameters", "gradients", "optimizer")}
 
     @classmethod
@@ -171,9 +176,11 @@ class ND(Strategy):
         self.tied_comm = self._tied_comm(model)
         groups = stage_groups(self.stages.values())
         expert_groups = self._expert_groups(groups)
-        self.dense = DataSharding(lay.zero, groups, self.data_comm, ctx.device, ctx.timeline)
+        self.prec = prec = precision_of(cfg)
+        self.dense = DataSharding(lay.zero, groups, self.data_comm, ctx.device, ctx.timeline,
+                                  precision=prec)
         self.experts = (DataSharding(lay.zero, expert_groups, self.expert_data_comm, ctx.device,
-                                     ctx.timeline, divide_by=self.data_comm.size)
+                                     ctx.timeline, divide_by=self.data_comm.size, precision=prec)
                         if expert_groups else None)
         self.shardings = [s for s in (self.dense, self.experts) if s is not None]
         self.params = [p for s in self.shardings for p in s.params]
@@ -190,9 +197,22 @@ class ND(Strategy):
         self.executor = Executor(self.sched, self.pp_rank, self.stages, mesh.comm("pp"),
                                  ctx.timeline, self.meter, self.store, ctx.device,
                                  recv_ahead=self.recv_ahead(cfg))
+        self.executor.act_dtype = prec.compute
+        self.scaler = LossScaler() if prec.loss_scaled else None
+        if prec.mixed:
+            for st in self.stages.values():
+                st.criterion = self._mixed_criterion(st.criterion)
         mc = cfg.model_config()
         tokens_per_rank = mc.seq_len // lay.cp // (lay.tp if lay.sequence_parallel else 1)
         self.act_shape = (cfg.batch_size // (lay.dp * lay.microbatches), tokens_per_rank, mc.d_model)
+
+    def _mixed_criterion(self, criterion):
+        """The loss in fp32 from the compute-dtype logits (softmax over a vocabulary is where
+        bf16's 8 bits hurt most), times the loss scale under fp16 (undone in ``step``'s log)."""
+        def loss(logits, y):
+            out = criterion(logits.float(), y)
+            return out * self.scaler.scale if self.scaler is not None else out
+        return loss
 
     def _block_costs(self, model) -> tuple[list[float], float, float]:
         """Each block's load (and the embedding's and head's), by parameter count or, with
@@ -223,6 +243,8 @@ class ND(Strategy):
             moe.experts = torch.nn.ModuleList(local.values())
             moe.first_expert = min(local)
             moe.combine = ExpertParallelCombine(ep_comm, local, n_expert)
+        self.combines = [block.mlp.combine for block in model.blocks]
+        self.rows_seen = (0, 0)
         return ep_comm, across
 
     def _expert_groups(self, groups) -> list:
@@ -282,25 +304,29 @@ class ND(Strategy):
         for s in self.shardings:
             s.begin_step(self.optimizer)
         self.meter.reset_peak()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         loss = self.executor.run(list(x.chunk(lay.microbatches)), list(y.chunk(lay.microbatches)),
                                  self.act_shape)
+        for s in self.shardings:
+            s.fold()
         if self.tied_comm is not None:
             with tl.span("all_reduce", what="tied"):
-                self.tied_comm.all_reduce(self.stages_param("embed.tok.weight").grad)
+                self.tied_comm.all_reduce(self.dense.grad(self.stages_param("embed.tok.weight")))
         if self.sp_params:
             with tl.span("all_reduce", what="sequence_parallel"):
                 reduce_gradients(self.sp_params, self.mesh.comm("tp"), divide_by=1)
         for s in self.shardings:
             s.reduce()
             s.hand_grads()
-        with tl.span("optimizer"):
-            self.optimizer.step()
+        if scaled_step(self.scaler, [g for s in self.shardings for g in s.master_grads()]):
+            with tl.span("optimizer"):
+                self.optimizer.step()
         for s in self.shardings:
             s.after_step()
         # Logging: the last stage's ranks know their data ranks' losses; one raw all-reduce.
         t = torch.zeros(1, device=self.ctx.device)
         if loss is not None:
-            t += loss.reshape(1) / (lay.dp * lay.cp * lay.tp)
+            t += loss.float().reshape(1) / (lay.dp * lay.cp * lay.tp * scale)
         dist.all_reduce(t)
         return t.item()
 
@@ -312,6 +338,18 @@ class ND(Strategy):
         raise KeyError(name)
 
     # --- reporting ------------------------------------------------------------------------
+    def step_extras(self):
+        """``expert_rows``: the rows this rank's routing sent to and received from other expert-
+        parallel ranks in the step (``estimate.nd.expert_bytes`` predicts the all-to-all bytes
+        from them)."""
+        if self.expert_comm is None:
+            return {}
+        sent = sum(c.rows_sent for c in self.combines)
+        received = sum(c.rows_received for c in self.combines)
+        step = {"sent": sent - self.rows_seen[0], "received": received - self.rows_seen[1]}
+        self.rows_seen = (sent, received)
+        return {"expert_rows": step}
+
     def memory(self):
         mem = {"parameters": 0, "gradients": 0,
                "optimizer": storage_bytes(optimizer_tensors(self.optimizer))}

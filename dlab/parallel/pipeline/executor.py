@@ -63,6 +63,8 @@ class Executor:
         self.comm, self.tl, self.meter, self.store, self.device = comm, timeline, meter, store, device
         self.last = schedule.n_stages - 1
         self.recv_ahead = recv_ahead
+        #: the dtype of the activations and gradients that travel (the compute dtype)
+        self.act_dtype = torch.float32
         self.recvs = [a for a in schedule.actions[rank] if a.kind == "recv"]
         #: the most bytes of receive buffers posted and not yet handed to a stage, at once,
         #: in the last step (read from their storages each time one is posted)
@@ -74,7 +76,7 @@ class Executor:
     def _post_recv(self, a, act_shape: tuple[int, ...]):
         """Post the receive of action ``a``; returns (work, buffer)."""
         sched = self.schedule
-        buf = torch.empty(act_shape, device=self.device)
+        buf = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
         src = dist.get_global_rank(self.comm.group, sched.stage_rank[a.peer])
         self.comm.record("recv", nbytes(buf), 0, nbytes(buf))
         work = dist.irecv(buf, src, group=self.comm.group, tag=tag(a.peer, a.mb, a.stage, sched.n_stages))
