@@ -61,7 +61,7 @@ KNOWN: dict[tuple[str, str], list[int]] = {
     ("04_data_parallel", "B is a link bandwidth; the global batch is G"): [24],
     ("04_data_parallel", "B is a link bandwidth; write 'the buckets' (n_buckets)"): [24],
     ("04_data_parallel", "t_B is the input-gradient backward; a bucket's all-reduce is t_bucket"): [24],
-    ("06_pipeline", "t_B is the input-gradient backward; a bucket's all-reduce is t_bucket"): [26],
+    ("06_pipeline", "t_B is the input-gradient backward; a bucket's all-reduce is t_bucket"): [37],
 }
 
 
@@ -83,6 +83,12 @@ def _sentences(text: str):
     return re.split(r"(?<=[.;:!?])\s+(?=[A-Z(*])|\n\n", text)
 
 
+# Notebooks the README's table has no row for yet (its seconds measured under nbval on the CI
+# machine): their header is parsed but not compared. A row appearing makes the entry stale.
+PENDING_README_ROWS = {"01_one_device", "14_capstone"}
+WORDS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5}
+
+
 def _readme_seconds() -> dict[str, float]:
     rows = re.findall(r"^\| `(\d\d_\w+)` \|.*\| (\d+) \|$", README, re.M)
     assert rows, "README.md's notebook table (| `NN_name` | ... | seconds |) not found"
@@ -91,10 +97,12 @@ def _readme_seconds() -> dict[str, float]:
 
 def _header_seconds(nb: Path) -> float | None:
     head = "".join(_cells(nb)[0]["source"])
-    m = re.search(r"cells run in about (\d+(?:\.\d+)?) ?(s|seconds?|min(?:utes?)?)\b", head)
+    m = re.search(r"cells run in about (\d+(?:\.\d+)?|a|an|one|two|three|four|five) ?"
+                  r"(s|seconds?|min(?:utes?)?)\b", head)
     if not m:
         return None
-    return float(m.group(1)) * (60 if m.group(2).startswith("min") else 1)
+    count = WORDS[m.group(1)] if m.group(1) in WORDS else float(m.group(1))
+    return count * (60 if m.group(2).startswith("min") else 1)
 
 
 def test_notation_states_the_figures_the_course_checks():
@@ -137,10 +145,13 @@ def test_the_header_run_time_is_the_readmes(nb):
     """'the cells run in about N s' within half (or 15 s) of the seconds the README's table
     measured under nbval on the 2-core machine."""
     measured = _readme_seconds().get(nb.stem)
-    assert measured is not None, f"{nb.stem} has no row in README.md's notebook table"
     said = _header_seconds(nb)
     assert said is not None, (f"{nb.name}: the first cell must say 'the cells run in about N s' "
-                              f"(or N minutes); the README measured {measured:g} s")
+                              f"(or N minutes)")
+    if nb.stem in PENDING_README_ROWS:
+        assert measured is None, f"README.md now has a row for {nb.stem}: drop it from PENDING_README_ROWS"
+        pytest.skip(f"README.md has no row for {nb.stem} yet: its header says about {said:g} s")
+    assert measured is not None, f"{nb.stem} has no row in README.md's notebook table"
     assert abs(said - measured) <= max(15.0, 0.5 * measured), (
         f"{nb.name}: the header says about {said:g} s, the README's table measured {measured:g} s")
 
