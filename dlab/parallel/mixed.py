@@ -78,7 +78,8 @@ class MainGrads:
 def scaled_step(scaler: LossScaler | None, master_grads: list[torch.Tensor]) -> bool:
     """With a loss scaler (fp16): unscale the fp32 master gradients, take the overflow flag's
     MAX over the whole world (every rank holds a piece of the gradients, and all must skip
-    together or the replicas part), update the scale; True where the step may be applied."""
+    together or the replicas part), update the scale; True where the step may be applied. The
+    flag travels on the raw backend, as the logged loss does: not charged to the step's bytes."""
     if scaler is None:
         return True
     found = scaler.unscale(master_grads)
