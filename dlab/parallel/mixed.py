@@ -65,7 +65,8 @@ class MainGrads:
 
     @staticmethod
     def _fold_one(p: nn.Parameter) -> None:
-        if p.main_grad is not None:
+        # .grad is None where a zero-bubble split linear deferred its weight gradient to W
+        if p.main_grad is not None and p.grad is not None:
             p.main_grad.add_(p.grad)
             p.grad = None
 
