@@ -243,7 +243,8 @@ MUTATIONS = [
         "nd-tied-unreduced",
         "nd with pp > 1: the tied embedding/head matrix's gradient is not summed over its stages",
         "dlab/parallel/nd/strategy.py",
-        (("                self.tied_comm.all_reduce(self.dense.grad(self.stages_param(\"embed.tok.weight\")))\n",
+        (("                self.tied_comm.all_reduce(self.dense.grad(self.stages_param("
+          "\"embed.tok.weight\")))\n",
           "                pass\n"),),
         ("tests/test_nd_parity.py::test_pipeline_and_zero_on_two_ranks_train_like_single[{'pp': 2}]",),
     ),

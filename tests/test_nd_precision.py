@@ -23,7 +23,7 @@ from helpers import assert_ranks_agree, final_state, losses
 from test_nd_parity import GPT, MOE, SP
 
 import dlab
-from dlab import models
+from dlab import models, parallel
 from dlab.core.config import ConfigError, RunConfig
 from dlab.core.precision import PRECISIONS
 from dlab.layout import Layout
@@ -57,6 +57,8 @@ def check(world, config, options, precision, runs_dir, reference):
         diff = max((mine[k] - theirs[k]).abs().max().item() for k in theirs)
         assert diff <= 2 * u * movement, (r, diff / u, movement)
     assert_ranks_agree(run)
+    ref_state = parallel.get("single").predicted_state(RunConfig.from_dict(ref.config), 0)
+    assert {k: ref.metrics(0)[-1]["memory"][k] for k in ref_state} == ref_state  # the reference's
     cfg = RunConfig.from_dict(run.config)
     lay = Layout.from_options(cfg.options, world)
     for r in range(world):

@@ -85,7 +85,7 @@ def measure(run) -> dict:
     for r in range(run.world_size):
         m = run.metrics(r)[-1]
         pp_rank = ranks.coords(lay.dims, r)["pp"]
-        state = nd.model_state(mc, lay, pp_rank, cfg.optimizer)
+        state = nd.model_state(mc, lay, pp_rank, cfg.optimizer, cfg.options.get("precision", "fp32"))
         per_rank.append({
             "state_MB": sum(m["memory"][k] for k in state) / MB,
             "state_model_MB": sum(state.values()) / MB,

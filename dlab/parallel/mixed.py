@@ -65,7 +65,8 @@ class MainGrads:
 
     @staticmethod
     def _fold_one(p: nn.Parameter) -> None:
-        if p.main_grad is not None:
+        # .grad is None where a zero-bubble split linear deferred its weight gradient to W
+        if p.main_grad is not None and p.grad is not None:
             p.main_grad.add_(p.grad)
             p.grad = None
 
@@ -78,7 +79,8 @@ class MainGrads:
 def scaled_step(scaler: LossScaler | None, master_grads: list[torch.Tensor]) -> bool:
     """With a loss scaler (fp16): unscale the fp32 master gradients, take the overflow flag's
     MAX over the whole world (every rank holds a piece of the gradients, and all must skip
-    together or the replicas part), update the scale; True where the step may be applied."""
+    together or the replicas part), update the scale; True where the step may be applied. The
+    flag travels on the raw backend, as the logged loss does: not charged to the step's bytes."""
     if scaler is None:
         return True
     found = scaler.unscale(master_grads)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 
+import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from dlab import models
 from dlab.core.metrics import ActivationMeter, storage_bytes
 from dlab.core.precision import LossScaler
 from dlab.models.data import shard
@@ -19,6 +21,7 @@ from dlab.parallel import register
 from dlab.parallel.base import BUCKET_CAP_MB, Option, WholeModel, data_parallel_problems
 from dlab.parallel.data_parallel import compression
 from dlab.parallel.mixed import PRECISION, fp32_master, precision_of, refresh, scaled_step
+from dlab.theory import memory
 
 #: PyTorch's compression hooks, the peers of ``ddp``'s ``compress`` options
 CAST_HOOKS = {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
@@ -33,10 +36,19 @@ class Single(WholeModel):
     precision. The optimizer steps fp32 masters (its own parameters) and the model, cast to the
     compute dtype, is refreshed from them after each step; the loss is taken in fp32 from the
     compute-dtype logits; fp16 scales it (``LossScaler``). One micro-batch: ``bf16-fp32-grads``
-    differs from ``bf16`` only in the bytes it holds, not in the numbers."""
+    differs from ``bf16`` only in the bytes it holds (the fp32 gradient is kept, the bf16 one
+    dropped), not in the numbers."""
     world_sizes = (1,)
     trains_moe_options = True
     OPTIONS = {"precision": PRECISION}
+
+    @classmethod
+    def predicted_state(cls, config, rank):
+        """A full replica at the run's precision (``estimate.memory.ddp_memory``)."""
+        with torch.device("meta"):
+            model = models.build(config.model, config.model_options, config.seed)
+        return memory.ddp_memory([p.numel() for p in model.parameters()], config.optimizer,
+                                 config.options.get("precision", "fp32"))
 
     def setup(self) -> None:
         self.model = self.build_model()
@@ -53,20 +65,25 @@ class Single(WholeModel):
         x, y = (t.to(self.ctx.device) for t in batch)
         tl = self.ctx.timeline
         self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         self.meter.reset_peak()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         with tl.span("forward"), self.meter.track():
             loss = self.model.criterion(self.model(x).float(), y)
         with tl.span("backward"):
             (loss * scale).backward()
+        keep_fp32 = self.prec.grad_bytes == 4
         for p, m in zip(self.model.parameters(), self.masters, strict=True):
             m.grad = p.grad.float()
+            if keep_fp32:
+                p.grad = None
         if scaled_step(self.scaler, [m.grad for m in self.masters]):
             with tl.span("optimizer"):
                 self.optimizer.step()
         for p, m in zip(self.model.parameters(), self.masters, strict=True):
             refresh(p, m)
-            m.grad = None
+            if not keep_fp32:
+                m.grad = None
         return loss.item()
 
     def _fp32_step(self, batch):
@@ -79,9 +96,11 @@ class Single(WholeModel):
         return loss.item()
 
     def memory(self):
-        """A replica's, with the fp32 masters counted with the optimizer's state."""
+        """A replica's, with the fp32 masters counted with the optimizer's state and their
+        kept fp32 gradients (``bf16-fp32-grads``) with the gradients."""
         mem = super().memory()
         mem["optimizer"] += storage_bytes(self.masters)
+        mem["gradients"] += storage_bytes(m.grad for m in self.masters if m.grad is not None)
         return mem
 
     def full_state_dict(self):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from dlab import models
 from dlab.comm import gloo
+from dlab.core.precision import PRECISIONS
 
 STAGES = (0, 1, 2, 3)
 
@@ -133,12 +134,18 @@ def zero_memory(units: list[int] | Units, world_size: int, stage: int, mixed_pre
     }
 
 
-def ddp_memory(param_numels: list[int], optimizer: str = "adam") -> dict[str, int]:
-    """A full fp32 replica: weights, gradients, optimizer state (+ a step counter per tensor)."""
+def ddp_memory(param_numels: list[int], optimizer: str = "adam", precision: str = "fp32"
+               ) -> dict[str, int]:
+    """A full replica: weights, gradients, optimizer state (+ a step counter per tensor), at
+    the bytes per parameter ``precision`` names (``dlab.core.precision``: in mixed precision
+    the optimizer state holds the fp32 master too, and SGD keeps one moment where Adam keeps
+    two)."""
     psi = sum(param_numels)
-    w, k = _precision(False, optimizer)
+    prec = PRECISIONS[precision]
+    k = prec.adam_bytes if optimizer == "adam" else prec.adam_bytes - 4
     counters = 4 * len(param_numels) if optimizer == "adam" else 0
-    return {"parameters": w * psi, "gradients": w * psi, "optimizer": k * psi + counters}
+    return {"parameters": prec.weight_bytes * psi, "gradients": prec.grad_bytes * psi,
+            "optimizer": k * psi + counters}
 
 
 def zero_bytes_moved(units: Units, world_size: int, stage: int, mixed_precision: bool = False) -> float:

@@ -30,7 +30,9 @@ One step, on every rank, is built from the single-dimension strategies' parts:
    dense parameter over the dp x cp data ranks with ZeRO (``sharding.DataSharding``); an
    expert's over the data ranks holding the same expert;
 5. the optimizer step (on the owned chunks for ZeRO >= 1) and, for stages 1-2, the all-gather
-   of the updated replica.
+   of the updated replica. In mixed precision the optimizer steps the fp32 masters (its own
+   parameters, so its state dict holds them) and the compute copies are refreshed from them
+   first; under fp16 the step is skipped on every rank together when any gradient overflowed.
 
 Each rank's loss is the mean over its tokens / m; the data ranks hold equally many tokens, so
 averaging the summed gradients over them gives the gradient of the global mean loss, which is
