@@ -78,6 +78,16 @@ def test_schedule_matches_single(name, world, pipeline_runs, reference):
         assert measured >= (world - 1) / world - 0.02, measured
 
 
+def test_dualpipev_at_four_ranks_matches_single(pipeline_runs, reference):
+    """Kept in the default run beside the 2-rank case (which conftest's rule leaves alone): at
+    p = 2 both ranks are ends of the V, and only p = 4 has middle ranks, which receive on both
+    legs from both neighbours and defer weight gradients from the middle of phase 6 (DeepSeek's
+    rule by rank parity). m = 8 = 2p; every rank's losses and final parameters compared."""
+    run = pipeline_runs("dualpipev", 4)
+    assert_same_training(run, reference(**PIPE_GPT))
+    assert all(losses(run, r) == losses(run, 0) for r in range(4))
+
+
 @pytest.mark.parametrize("name", [n if n == "1f1b" else pytest.param(n, marks=pytest.mark.slow)
                                   for n in NAMES])
 def test_pipeline_times_data_parallel_matches_single(name, pipeline_runs, reference):

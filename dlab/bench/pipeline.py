@@ -1,4 +1,5 @@
-"""``python -m dlab bench pipeline``: every schedule at 2 and 4 stages and 1..16 micro-batches.
+"""``python -m dlab bench pipeline``: every schedule at 2 and 4 stages and 1..16 micro-batches
+(those it accepts: interleaved needs m a multiple of p, DualPipeV m >= 2p).
 
 Per configuration: the bubble measured from the timeline (steps after the first) beside the
 closed form (``dlab.theory.pipeline.bubble``, unit times), the simulation of the same action

@@ -16,8 +16,8 @@ checked for deadlocks (``simulate.validate``) and executed on real ranks
 
 Stages are *virtual* stages: ``n_stages`` pieces of the model, placed on ``p`` ranks by
 ``stage_rank``. Plain schedules put stage s on rank s; interleaved 1F1B puts v stages on each rank
-round-robin (stage s on rank s mod p; Narayanan et al. 2021); the V-shape puts stages r and
-2p-1-r on rank r (Qi et al. 2024), so the first and the last stage share rank 0.
+round-robin (stage s on rank s mod p; Narayanan et al. 2021); the V-shape (ZB-V, DualPipeV) puts
+stages r and 2p-1-r on rank r (Qi et al. 2024), so the first and the last stage share rank 0.
 
 Compute orders are written per rank; ``_with_comms`` then adds a recv right before each
 computation whose input lives on another rank and a send right after each computation whose
