@@ -30,6 +30,7 @@ from dlab.analysis.steps import step_time
 from dlab.procs.launch import launch
 from dlab.procs.run import Run
 from dlab.runtime import checkpoint
+from dlab.ui.figure import new_figure, style
 
 MODEL = {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}
 EIGHT = {"pp": 2, "tp": 2, "dp": 2, "zero": 3}
@@ -83,8 +84,6 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def _draw(ref, first, later, kill_at: int, resumed_from: int) -> None:
-    from dlab.ui.figure import new_figure, style
-
     fig = new_figure(figsize=(9, 4))
     ax = fig.add_subplot()
     for run, label, kw in ((ref, "single (uninterrupted)", {"color": "0.6", "lw": 3}),
