@@ -76,26 +76,39 @@ def run(quick: bool = False) -> list[dict]:
         rows.insert(0, {"name": "single", "ranks": 1, "first_step": 0, "last_step": ms[-1]["step"],
                         "first_loss": ms[0]["loss"], "last_loss": ms[-1]["loss"],
                         "step_s": step_time(ref)})
+        # the resumed run's first loss against the killed run's at the same step: the same
+        # parameters under two layouts, so what is left is the forward's summation order
+        killed = {m["step"]: m["loss"] for m in first.metrics(0)}
         rows.append({"name": "checkpoint", "killed_at": kill_at, "resumed_from": resumed_from,
-                     "redone_steps": kill_at - resumed_from, "every": every})
+                     "redone_steps": kill_at - resumed_from, "every": every,
+                     "loss_diff_at_resume": abs(later.metrics(0)[0]["loss"] - killed[resumed_from])})
         if not quick:
             _draw(ref, first, later, kill_at, resumed_from)
     return rows
 
 
 def _draw(ref, first, later, kill_at: int, resumed_from: int) -> None:
-    fig = new_figure(figsize=(9, 4))
-    ax = fig.add_subplot()
-    for run, label, kw in ((ref, "single (uninterrupted)", {"color": "0.6", "lw": 3}),
-                           (first, _name(EIGHT) + ", 8 ranks", {"color": "C0", "lw": 1}),
-                           (later, _name(FOUR) + ", 4 ranks, resumed", {"color": "C3", "lw": 1})):
+    fig = new_figure(figsize=(9, 6))
+    ax, gap = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    want = {m["step"]: m["loss"] for m in ref.metrics(0)}
+    ax.plot(list(want), list(want.values()), label="single (uninterrupted)", color="0.6", lw=3)
+    for run, label, color in ((first, _name(EIGHT) + ", 8 ranks", "C0"),
+                              (later, _name(FOUR) + ", 4 ranks, resumed", "C3")):
         ms = run.metrics(0)
-        ax.plot([m["step"] for m in ms], [m["loss"] for m in ms], label=label, **kw)
-    ax.axvline(kill_at, color="k", ls=":", lw=1, label=f"rank 5 killed (step {kill_at})")
-    ax.axvline(resumed_from, color="C3", ls="--", lw=1, label=f"checkpoint resumed (step {resumed_from})")
+        steps = [m["step"] for m in ms]
+        ax.plot(steps, [m["loss"] for m in ms], label=label, color=color, lw=1)
+        gap.semilogy(steps, [max(abs(m["loss"] - want[m["step"]]), 1e-9) for m in ms],
+                     color=color, lw=1)
+    for a in (ax, gap):
+        a.axvline(kill_at, color="k", ls=":", lw=1, label=f"rank 5 killed (step {kill_at})")
+        a.axvline(resumed_from, color="C3", ls="--", lw=1,
+                  label=f"checkpoint resumed (step {resumed_from})")
     ax.set_ylabel("loss (bytes, nats)")
     ax.legend(fontsize=8)
+    gap.set_ylabel("|loss - single's|")
     style(ax, "nd: the lab GPT on the corpus, killed under one layout, resumed under another "
-              "(fp32, Adam)", "step")
+              "(fp32, Adam)", "")
+    style(gap, "the difference grows smoothly (summation order under Adam), no step at the resume",
+          "step")
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(FIGURE, dpi=110)
