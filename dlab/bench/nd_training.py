@@ -16,9 +16,12 @@ Rows: each phase's steps, last loss and median step time, and the largest differ
 losses from ``single``'s at the same steps (measured; fp32 - the layouts sum the same numbers
 in other orders, and Adam's normalisation lets such differences grow slowly over hundreds of
 steps, so this is the size of that drift, not a test of it; the 1e-5 parity of a resharded
-resume is tests/test_nd_checkpoint.py's, with SGD). Not quick, it also draws the loss curves
-into ``docs/nd_training.png``. fp32 throughout: mixed precision in ``nd`` is another branch's
-(issue #40); the checkpoint saves the optimizer's fp32 masters, so it does not change with it.
+resume is tests/test_nd_checkpoint.py's, with SGD). What the resume itself changes is the
+``checkpoint`` row's ``loss_diff_at_resume``: the resumed run's first loss against the killed
+run's loss at the same step (the same parameters under another layout). Not quick, it also
+draws the loss curves and their difference from ``single``'s into ``docs/nd_training.png``.
+fp32 throughout: mixed precision in ``nd`` is another branch's (issue #40); the checkpoint
+saves the optimizer's fp32 masters, so it does not change with it.
 """
 from __future__ import annotations
 
@@ -108,7 +111,7 @@ def _draw(ref, first, later, kill_at: int, resumed_from: int) -> None:
     gap.set_ylabel("|loss - single's|")
     style(ax, "nd: the lab GPT on the corpus, killed under one layout, resumed under another "
               "(fp32, Adam)", "")
-    style(gap, "the difference grows smoothly (summation order under Adam), no step at the resume",
-          "step")
+    style(gap, "|loss - single's|: the layouts' summation order, amplified by Adam before any "
+               "checkpoint; the resume adds no step", "step")
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(FIGURE, dpi=110)
