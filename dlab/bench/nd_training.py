@@ -4,8 +4,8 @@ in another layout.
 The lab GPT (the smallest config that still cuts into 2 stages of 2 blocks) trains on the
 repository's corpus (``data/corpus.txt``, ``dlab.models.corpus``) with Adam:
 
-1. under pp2 x tp2 x dp2 with ZeRO-3 on 8 ranks, checkpointing every ``EVERY`` steps, until
-   rank 5 is SIGKILLed at the start of step ``KILL_AT`` (no restart: the job is gone; the steps
+1. under pp2 x tp2 x dp2 with ZeRO-3 on 8 ranks, checkpointing every 50 steps, until rank 5
+   is SIGKILLed at the start of step 175 (``_plan``; no restart: the job is gone; the steps
    since the last checkpoint are lost);
 2. resumed from that job's newest checkpoint under dp2 x tp2 with ZeRO-1 on 4 ranks (a smaller
    cluster: another pipeline depth, ZeRO stage and data degree; each rank cuts its pieces of
@@ -14,9 +14,12 @@ repository's corpus (``data/corpus.txt``, ``dlab.models.corpus``) with Adam:
 
 Rows: each phase's steps, last loss and median step time, and the largest difference of its
 losses from ``single``'s at the same steps (measured; fp32 - the layouts sum the same numbers
-in other orders, and Adam's normalisation lets such differences grow slowly over hundreds of
-steps, so this is the size of that drift, not a test of it; the 1e-5 parity of a resharded
-resume is tests/test_nd_checkpoint.py's, with SGD). What the resume itself changes is the
+in other orders, and Adam divides each gradient by its own running RMS, so a rounding
+difference in a coordinate whose gradient is near zero becomes an update of lr's size: the
+difference stays at rounding level for some dozens of steps, then grows to the size of the
+loss's step-to-step noise, before any checkpoint - the figure's lower panel. This row is the
+size of that drift, not a test; the 1e-5 parity of a resharded resume is
+tests/test_nd_checkpoint.py's, with SGD). What the resume itself changes is the
 ``checkpoint`` row's ``loss_diff_at_resume``: the resumed run's first loss against the killed
 run's loss at the same step (the same parameters under another layout). Not quick, it also
 draws the loss curves and their difference from ``single``'s into ``docs/nd_training.png``.
