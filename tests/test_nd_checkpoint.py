@@ -128,10 +128,10 @@ MOE = {**GPT, "model": "moe", "model_options": {**GPT["model_options"], "n_layer
 @pytest.mark.slow
 def test_experts_reshard_across_ep(runs_dir):
     """Saved with the experts spread over ep 2 (each rank holds 2 of 4 under their global
-    names, replicated over tp), loaded with ZeRO-2 over ep 2 x dp 2 without tp, and by
-    ``single`` (every expert whole)."""
+    names, replicated over tp; sequence parallel, as MoE under tp needs), loaded with ZeRO-2
+    over ep 2 x dp 4 without tp, and by ``single`` (every expert whole)."""
     clean = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, checkpoint_every=SAVED_AT,
-                        options={"dp": 2, "ep": 2, "tp": 2}, **MOE)
+                        options={"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, **MOE)
     other = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, resume=str(saved(clean)),
                         options={"dp": 4, "ep": 2, "zero": 2}, **MOE)
     one = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, resume=str(saved(clean)), **MOE)

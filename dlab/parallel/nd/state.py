@@ -122,6 +122,8 @@ def load_checkpoint_state(nd, reader) -> None:
                 state["step"] = reader.tensor("optim", u.slots[0].name, "step").clone()
             if state:
                 opt.state[u.master] = state
+            if u.shard.data_ptr() != master.data_ptr():  # a low-precision chunk beside its master
+                u.shard.copy_(master)
             if u.gathered:  # stages 1-2 hold the whole replica between steps
                 for slot in u.slots:
                     whole = _mine(nd, reader, slot.name, slot.shape)
