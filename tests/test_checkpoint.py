@@ -2,6 +2,7 @@
 refused by name, and reading a checkpoint at another layout."""
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -226,3 +227,16 @@ def test_pieces_from_any_layout_assemble_the_same_tensor():
 def test_bad_resume_path_is_refused_before_start(tmp_path):
     with pytest.raises(dlab.ConfigError, match="neither a checkpoint nor a run"):
         dlab.launch("torch-ddp", 2, resume=str(tmp_path), runs_dir=tmp_path / "runs", **TINY_GPT)
+
+
+@pytest.mark.parametrize("fmt,readable", [("dlab-checkpoint/2", True), ("dlab-checkpoint/3", True),
+                                          ("dlab-checkpoint/4", False), ("dlab-checkpoint/1", False)])
+def test_a_manifest_of_a_format_this_dlab_cannot_read_is_refused(tmp_path, fmt, readable):
+    manifest = {"format": fmt, "step": 3}
+    manifest["digest"] = checkpoint._digest(manifest)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    if readable:  # /2 has no tensor-parallel slices, so /3's reader reads it the same
+        assert checkpoint.read_manifest(tmp_path)["step"] == 3
+    else:
+        with pytest.raises(checkpoint.CorruptCheckpoint, match="not a dlab-checkpoint/3 checkpoint"):
+            checkpoint.read_manifest(tmp_path)

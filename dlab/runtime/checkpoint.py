@@ -48,7 +48,11 @@ import torch.distributed as dist
 from dlab.comm import wire
 from dlab.comm.host import host_copies_done, to_host
 
-FORMAT = "dlab-checkpoint/2"
+# /3 added pieces that are runs over a tensor-parallel slice ("slice"); a /2 reader would have
+# ignored the key and assembled the wrong tensor, so the version moved. /2 checkpoints (no
+# slices) read the same under /3.
+FORMAT = "dlab-checkpoint/3"
+READABLE = (FORMAT, "dlab-checkpoint/2")
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -289,7 +293,7 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptCheckpoint(f"{file}: cannot be read as JSON ({e}); refusing to load it") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise CorruptCheckpoint(f"{file}: not a {FORMAT} checkpoint (format {found!r}); save it "
                                 f"again with this dlab")
