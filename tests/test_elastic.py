@@ -44,6 +44,7 @@ def test_an_agent_lost_and_back_shrinks_grows_and_trains_the_same(runs_dir, refe
     assert_ranks_agree(e.run)
 
 
+@pytest.mark.slow  # 127 s under load; tests/test_nd_checkpoint.py reshards nd by default
 def test_nd_loses_an_agent_and_reshards_its_layout(runs_dir, reference):
     """``nd`` with tp2 x ZeRO-2 over what dp the world leaves: 4 ranks (dp2 x tp2), then 2 (dp1
     x tp2) after an agent is lost, then 4 again; each restart cuts its pieces out of the

@@ -187,6 +187,7 @@ def test_sigterm_to_the_cli_while_the_ranks_checkpoint_reads_preempted(runs_dir)
     assert (run_dir / "checkpoints").is_dir() and stop > 0
 
 
+@pytest.mark.slow  # the preemption path is the strategy's checkpoint, tested by default above
 def test_a_preempted_nd_run_resumes_bit_for_bit(runs_dir):
     """The same notice under ``nd`` with ZeRO-3 (each rank checkpoints its own cut of every
     parameter and of its momentum, on the agreed step) and dp x tp on resume - the layout it
