@@ -153,6 +153,29 @@ MUTATIONS = [
         (("    if missing:\n", "    if False:\n"),),
         ("tests/test_lab.py::test_without_jupyterlab_the_lab_says_what_to_install_before_any_url",),
     ),
+    Mutation(
+        "comm-busy-summed",
+        "a step's busy communication time the plain sum of the ops' spans, not their union",
+        "dlab/core/events.py",
+        (("    busy = covered(c)\n", "    busy = sum(e - s for s, e in c)\n"),),
+        ("tests/test_comm_time.py",),
+    ),
+    Mutation(
+        "comm-exposed-hides-waits",
+        "exposed communication time counts a wait inside a compute span as hidden",
+        "dlab/core/events.py",
+        (("    return busy - overlap(c, k) + overlap(k, s), busy\n",
+          "    return busy - overlap(c, k), busy\n"),),
+        ("tests/test_comm_time.py",),
+    ),
+    Mutation(
+        "zero3-judge-rank0-only",
+        "the zero3_forward checker looks at rank 0's gathered parameters only",
+        "dlab/exercises/distributed.py",
+        (("    for r, (_, log) in enumerate(answers):\n        one =",
+          "    for r, (_, log) in enumerate(answers[:1]):\n        one ="),),
+        ("tests/test_exercises.py::test_the_checker_looks_at_every_rank[zero3_forward]",),
+    ),
 ]
 
 
