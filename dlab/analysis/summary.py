@@ -8,7 +8,9 @@ collective was in flight (the network had work), and ``comm_exposed_s_per_step``
 that union no computation of the rank covered (what communication added to the step). Both are
 at most the step, and exposed <= busy <= the plain sum of the ops' spans, which overlapping async
 collectives (DDP's buckets) push past the step and which is therefore not shown
-(``dlab.core.events.comm_times``; records written before these figures show "-"). Two byte
+(``dlab.core.events.comm_times``; records written before these figures show "-"). A wait that
+does not go through ``Comm`` counts as the compute span around it: PyTorch's DDP reducer
+(``torch-ddp``) waits for its last buckets inside backward, so its exposed time reads low. Two byte
 figures, never mixed: ``comm_sent_per_step``
 (the model: the ring model for the backend's collectives, the algorithm's own count for dlab's
 hand-written ones) and ``comm_wire_per_step`` (measured: bytes the rank wrote to the transport in
