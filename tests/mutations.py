@@ -135,7 +135,7 @@ MUTATIONS = [
         "exercises: the one_f_one_b checker bounds the activations in flight on stage 0 only",
         "dlab/exercises/local.py",
         (("    for s, got in enumerate(orders):\n", "    for s, got in enumerate(orders[:1]):\n"),),
-        ("tests/test_exercises.py::test_a_mistake_wrong_only_off_rank_0_is_named",),
+        ("tests/test_exercises.py::test_the_checker_looks_at_every_rank[one_f_one_b]",),
     ),
     Mutation(
         "zero-resume-cut-state",
@@ -247,6 +247,28 @@ MUTATIONS = [
           "\"embed.tok.weight\")))\n",
           "                pass\n"),),
         ("tests/test_nd_parity.py::test_pipeline_and_zero_on_two_ranks_train_like_single[{'pp': 2}]",),
+        "comm-busy-summed",
+        "a step's busy communication time the plain sum of the ops' spans, not their union",
+        "dlab/core/events.py",
+        (("    busy = covered(c)\n", "    busy = sum(e - s for s, e in c)\n"),),
+        ("tests/test_comm_time.py::test_overlapping_collectives_are_counted_once_and_compute_hides_them",
+         "tests/test_comm_time.py::test_ddp_with_overlapping_buckets_never_reports_more_than_the_step"),
+    ),
+    Mutation(
+        "comm-exposed-hides-waits",
+        "exposed communication time counts a wait inside a compute span as hidden",
+        "dlab/core/events.py",
+        (("    return busy - overlap(c, k) + overlap(k, s), busy\n",
+          "    return busy - overlap(c, k), busy\n"),),
+        ("tests/test_comm_time.py::test_a_wait_inside_a_compute_span_is_exposed",),
+    ),
+    Mutation(
+        "zero3-judge-rank0-only",
+        "the zero3_forward checker looks at rank 0's gathered parameters only",
+        "dlab/exercises/distributed.py",
+        (("    for r, (_, log) in enumerate(answers):\n        one =",
+          "    for r, (_, log) in enumerate(answers[:1]):\n        one ="),),
+        ("tests/test_exercises.py::test_the_checker_looks_at_every_rank[zero3_forward]",),
     ),
 ]
 

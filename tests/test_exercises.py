@@ -30,29 +30,44 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
         "    core = 0 if recompute == 'selective' else 5 * a * s * s * b\n"
         "    return (34 * sbh + core) / t\n",
         "without sequence parallelism the 10 s b h"),
-    "shard_rows": ("def shard_rows(batch_size, rank, world_size):\n"
-                   "    return range(rank, batch_size, world_size)\n",
-                   "batch 8, rank 0 of 2: expected rows [0, 1, 2, 3], got [0, 2, 4, 6]"),
     "reduce_scatter": ("def reduce_scatter(chunks, rank, world_size):\n"
                        "    out = torch.empty_like(chunks[rank])\n"
                        "    dist.reduce_scatter(out, chunks)\n    return out\n",
                        "raised RuntimeError: dist.reduce_scatter is off limits"),
-    "ring_all_reduce": (  # the reduce-scatter half only: each rank holds one full chunk
+    "ring_all_reduce": (  # a gather to rank 0, which sums and sends back: right sums, no ring
         "def ring_all_reduce(x, rank, world_size):\n"
-        "    chunks = list(x.tensor_split(world_size))\n"
-        "    right, left = (rank + 1) % world_size, (rank - 1) % world_size\n"
-        "    for step in range(world_size - 1):\n"
-        "        send, recv = (rank - step) % world_size, (rank - step - 1) % world_size\n"
-        "        buf = torch.empty_like(chunks[recv])\n"
-        "        req = dist.isend(chunks[send].clone(), dst=right)\n"
-        "        dist.recv(buf, src=left)\n        req.wait()\n        chunks[recv] += buf\n"
-        "    return x\n", "rank 0, the sum: element 0: expected"),
+        "    if rank != 0:\n        dist.send(x, dst=0)\n        dist.recv(x, src=0)\n        return x\n"
+        "    buf = torch.empty_like(x)\n"
+        "    for r in range(1, world_size):\n        dist.recv(buf, src=r)\n        x += buf\n"
+        "    for r in range(1, world_size):\n        dist.send(x, dst=r)\n    return x\n",
+        "rank 0 sent 120 bytes; a ring all-reduce sends 2(N-1)/N x S = 60 bytes"),
     "average_gradients": ("def average_gradients(model, world_size):\n"
                           "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n",
                           "rank 0, gradient of 0.weight: element (0, 0): expected"),
-    "zero1_step": ("def zero1_step(params, grads, lr, rank, world_size):\n"
-                   "    return params - lr * grads\n",  # no reduction: each rank its own step
-                   "the updated parameters: element"),
+    "zero1_step": (  # all-reduce and a full update: the right numbers, data parallelism
+        "def zero1_step(params, grads, lr, rank, world_size):\n"
+        "    dist.all_reduce(grads)\n    return params - lr * grads / world_size\n",
+        "rank 0 all-reduced: every rank then holds the whole gradient"),
+    "bucketed_ddp": (  # every bucket reduced after backward, from finish(): nothing overlaps
+        "def bucketed_ddp(model, bucket_cap_bytes, world_size):\n"
+        "    params = list(model.parameters())[::-1]\n    buckets = [[params[0]]]\n"
+        "    for p in params[1:]:\n"
+        "        if sum(q.numel() * 4 for q in buckets[-1]) + p.numel() * 4 <= bucket_cap_bytes:\n"
+        "            buckets[-1].append(p)\n        else:\n            buckets.append([p])\n"
+        "    def finish():\n        for b in buckets:\n"
+        "            flat = torch.cat([q.grad.reshape(-1) for q in b])\n"
+        "            dist.all_reduce(flat, async_op=True).wait()\n            flat /= world_size\n"
+        "            for q, g in zip(b, flat.split([q.numel() for q in b])):\n"
+        "                q.grad.copy_(g.view_as(q))\n"
+        "    return finish\n",
+        "rank 0 started its first all-reduce after backward had finished"),
+    "zero3_forward": (  # every layer gathered first: the whole model held at once
+        "def zero3_forward(shards, x, layer, rank, world_size):\n"
+        "    fulls = []\n    for s in shards:\n"
+        "        fulls.append(torch.empty(s.numel() * world_size))\n"
+        "        dist.all_gather_into_tensor(fulls[-1], s)\n"
+        "    for full in fulls:\n        x = layer(full, x)\n    return x\n",
+        "rank 0 held 504 bytes of gathered parameters at once, 3 layers"),
     "one_f_one_b": ("def one_f_one_b(stage, n_stages, microbatches):\n"  # GPipe's order
                     "    return [('F', i) for i in range(microbatches)] + "
                     "[('B', i) for i in range(microbatches)]\n",
@@ -90,10 +105,6 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
                     "    return sorted([sum(c * st for c, st in zip(cs, strides)) + j * strides[k]"
                     " for j in range(sizes[k])] for cs in itertools.product(*others))\n",
                     "mesh {'dp': 2, 'tp': 2}, groups along 'tp': expected [[0, 1], [2, 3]], got"),
-    "zero_memory": ("def zero_memory(psi, n, stage):\n"  # the stages off by one
-                    "    p, g, o = 2 * psi, 2 * psi, 12 * psi\n"
-                    "    return p / (n if stage >= 2 else 1) + g / (n if stage >= 1 else 1)"
-                    " + o / (n if stage >= 1 else 1)\n", "n = 8, stage 1: expected"),
     "topk_feedback": ("def topk_feedback(grad, error, k):\n"  # no memory: the rest is lost
                       "    idx = grad.abs().topk(k).indices\n"
                       "    return grad[idx], idx, torch.zeros_like(grad)\n",
@@ -191,11 +202,11 @@ PROPERTY_MISTAKES = {  # exercise: [(wrong answer, what the report must say), ..
 }
 
 
+#: notebooks without a checked exercise: 00 is the tour (its exercises are open ones)
+UNCHECKED = {"00_start_here"}
 
-
-# mistakes right on rank (or stage) 0 and wrong only on another: a judge that looks at rank 0
-# alone passes them (#41)
-NONZERO_RANK_MISTAKES = {
+# a judge that looks at rank (or stage) 0 alone passes these (#41)
+RANK_MISTAKES = {  # exercise: (a mistake whose rank 0 is right, what the report must say)
     "one_f_one_b": ("def one_f_one_b(stage, n_stages, microbatches):\n"  # stage left out
                     "    warm = min(n_stages - 1, microbatches)\n"
                     "    order = [('F', i) for i in range(warm)]\n"
@@ -203,21 +214,50 @@ NONZERO_RANK_MISTAKES = {
                     "        order += [('F', warm + i), ('B', i)]\n"
                     "    return order + [('B', i) for i in range(microbatches - warm, microbatches)]\n",
                     "4 stages, 6 micro-batches, stage 1: after action 3 (F3) it holds 4"),
+    "ring_all_reduce": (  # a reduce to rank 0: only rank 0 holds the sum
+        "def ring_all_reduce(x, rank, world_size):\n"
+        "    if rank != 0:\n        dist.send(x, dst=0)\n        return x\n"
+        "    buf = torch.empty_like(x)\n"
+        "    for r in range(1, world_size):\n        dist.recv(buf, src=r)\n        x += buf\n"
+        "    return x\n", "rank 1, the sum: element"),
+    "zero1_step": (  # the updated shards gathered to rank 0 only
+        "def zero1_step(params, grads, lr, rank, world_size):\n"
+        "    shard = params.numel() // world_size\n    mine = torch.empty(shard)\n"
+        "    dist.reduce_scatter_tensor(mine, grads)\n"
+        "    params[rank * shard:(rank + 1) * shard] -= lr * mine / world_size\n"
+        "    parts = [torch.empty(shard) for _ in range(world_size)] if rank == 0 else None\n"
+        "    dist.gather(params[rank * shard:(rank + 1) * shard].clone(), parts, dst=0)\n"
+        "    return torch.cat(parts) if rank == 0 else params\n",
+        "rank 1, the updated parameters: element"),
+    "bucketed_ddp": (  # each bucket reduced to rank 0, not all-reduced
+        "def bucketed_ddp(model, bucket_cap_bytes, world_size):\n"
+        "    params = list(model.parameters())\n"
+        "    def finish():\n        for p in params:\n"
+        "            dist.reduce(p.grad, dst=0)\n            p.grad /= world_size\n"
+        "    return finish\n", "rank 1, gradient of"),
+    "zero3_forward": (  # rank 1 keeps every gathered layer (a cache meant for its backward)
+        "def zero3_forward(shards, x, layer, rank, world_size):\n"
+        "    kept = []\n    for s in shards:\n"
+        "        full = torch.empty(s.numel() * world_size)\n"
+        "        dist.all_gather_into_tensor(full, s)\n        x = layer(full, x)\n"
+        "        if rank > 0:\n            kept.append(full)\n"
+        "    return x\n", "rank 1 held"),
 }
-
-
-@pytest.mark.parametrize("name", sorted(NONZERO_RANK_MISTAKES))
-def test_a_mistake_wrong_only_off_rank_0_is_named(name, runs_dir):
-    wrong, says = NONZERO_RANK_MISTAKES[name]
-    report = check(name, wrong, runs_dir=str(runs_dir))
-    assert not report.ok and says in report.message, report
 
 
 def test_every_exercise_has_a_solution_and_a_mistake():
     assert set(EXERCISES) == set(MISTAKES) == {p.stem for p in SOLUTIONS.glob("*.py")}
     notebooks = {ex.notebook for ex in EXERCISES.values()}
     on_disk = {p.stem for p in (SOLUTIONS.parents[2] / "notebooks").glob("*.ipynb")}
-    assert notebooks == on_disk  # one checked exercise per notebook
+    assert notebooks == on_disk - UNCHECKED  # a checked exercise in every other notebook
+
+
+@pytest.mark.parametrize("name", sorted(RANK_MISTAKES))
+def test_the_checker_looks_at_every_rank(name, runs_dir):
+    """A mistake that leaves rank 0 right is caught on the rank it breaks."""
+    wrong, says = RANK_MISTAKES[name]
+    report = check(name, wrong, runs_dir=str(runs_dir))
+    assert not report.ok and says in report.message, report
 
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))

@@ -247,7 +247,8 @@ def test_summary_names_the_figures_and_says_when_wire_is_not_measurable():
     memory = {"parameters": 1, "gradients": 1, "optimizer": 1, "activations": 1}
     row = {"rank": 0, "steps": 2, "loss": 1.0, "first_step_s": 1.0, "step_time_s": 1.0,
            "tokens_per_s": 1.0, "mfu": 0.1, "memory": memory, "memory_total": 4,
-           "comm_sent_per_step": 2 ** 20, "comm_wire_per_step": None, "comm_s_per_step": 0.1}
+           "comm_sent_per_step": 2 ** 20, "comm_wire_per_step": None,
+           "comm_exposed_s_per_step": 0.1, "comm_busy_s_per_step": 0.1}
     text = str(Summary("nccl-run", "ok", [row]))
     assert "model comm MiB/step" in text and "wire MiB/step (measured)" in text
     assert NOT_MEASURABLE in text

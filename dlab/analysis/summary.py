@@ -2,8 +2,16 @@
 
 Definitions: step time and tokens/s are medians over the steps after the first (the first step
 pays for lazy initialisation and is reported apart as ``first_step_s``); memory is each
-category's peak over the run; communication is bytes this rank sent per step and the seconds
-it spent waiting in collectives per step. Two byte figures, never mixed: ``comm_sent_per_step``
+category's peak over the run; communication is bytes this rank sent per step and two times
+per step, each a median: ``comm_busy_s_per_step``, the union of the spans in which some
+collective was in flight (the network had work), and ``comm_exposed_s_per_step``, the part of
+that union no computation of the rank covered (what communication added to the step). Both are
+at most the step, and exposed <= busy <= the plain sum of the ops' spans, which overlapping async
+collectives (DDP's buckets) push past the step and which is therefore not shown
+(``dlab.core.events.comm_times``; records written before these figures show "-"). A wait that
+does not go through ``Comm`` counts as the compute span around it: PyTorch's DDP reducer
+(``torch-ddp``) waits for its last buckets inside backward, so its exposed time reads low. Two byte
+figures, never mixed: ``comm_sent_per_step``
 (the model: the ring model for the backend's collectives, the algorithm's own count for dlab's
 hand-written ones) and ``comm_wire_per_step`` (measured: bytes the rank wrote to the transport in
 a step, ``dlab.comm.wire``; None where not measurable, e.g. NCCL, and the table then says so).
@@ -40,6 +48,11 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.1f}"
 
 
+def _comm_time(steady: list[dict], key: str) -> float | None:
+    times = [m["comm"].get(key) for m in steady]
+    return None if None in times else _median(times)
+
+
 def _wire(steady: list[dict]) -> float | None:
     wire = [m["comm"].get("wire_bytes") for m in steady]
     return None if None in wire else _median(wire)
@@ -69,7 +82,8 @@ class Summary:
                 "memory": memory, "memory_total": sum(memory.values()),
                 "comm_sent_per_step": _median([m["comm"]["sent_bytes"] for m in steady]),
                 "comm_wire_per_step": _wire(steady),
-                "comm_s_per_step": _median([m["comm"]["seconds"] for m in steady]),
+                "comm_exposed_s_per_step": _comm_time(steady, "exposed_seconds"),
+                "comm_busy_s_per_step": _comm_time(steady, "busy_seconds"),
                 "busy_s_per_step": _mean([m["busy_s"] for m in steady if "busy_s" in m]),
                 "idle_s_per_step": _mean([m["idle_s"] for m in steady if "idle_s" in m]),
             })
@@ -81,7 +95,7 @@ class Summary:
     def table(self) -> tuple[list[str], list[list[str]]]:
         head = ["rank", "steps", "loss", "step ms", "busy ms", "idle ms", "tok/s", "MFU", "HFU",
                 "params MiB", "grads MiB", "optim MiB", "activ MiB", "model comm MiB/step",
-                "wire MiB/step (measured)", "comm ms/step"]
+                "wire MiB/step (measured)", "comm exposed ms", "comm busy ms"]
         body = []
         for r in self.rows:
             if not r["steps"]:
@@ -97,7 +111,8 @@ class Summary:
                          f"{m['activations'] / MiB:.2f}",
                          f"{r['comm_sent_per_step'] / MiB:.3f}",
                          "-" if r["comm_wire_per_step"] is None else f"{r['comm_wire_per_step'] / MiB:.3f}",
-                         f"{1e3 * r['comm_s_per_step']:.1f}"])
+                         _ms(r.get("comm_exposed_s_per_step")),
+                         _ms(r.get("comm_busy_s_per_step"))])
         return head, body
 
     def __str__(self) -> str:
@@ -132,7 +147,9 @@ class Summary:
         which rank, if any, the others wait for."""
         out = self.stragglers() + [
             "model comm: ring model for the backend's collectives, the algorithm's own count "
-            "for dlab's; wire: measured bytes written to the transport"]
+            "for dlab's; wire: measured bytes written to the transport",
+            "comm busy: time some collective was in flight (union of their spans); comm exposed: "
+            "the part of it no computation of the rank covered"]
         if any(r.get("steps") and r.get("comm_wire_per_step") is None for r in self.rows):
             out.append(f"wire: {NOT_MEASURABLE}")
         return out

@@ -6,8 +6,10 @@ several bucket caps, each beside PyTorch's ``DistributedDataParallel`` launched 
 at the same bucket cap (``torch-ddp`` with ``comm_hook="builtin"``: DDP's own C++ all-reduce,
 no Python hook; ``dp-naive`` has no buckets and stands beside PyTorch's default 25 MiB):
 ``ratio`` = dlab step time / PyTorch's, the target for ``ddp`` being <= 1.10. Beside it, from
-the timeline: ``comm_ms``, the wall time per step some all-reduce was in flight, and
-``hidden``, the fraction of that time that overlapped backward (communication hidden behind
+the run's summary, means over ranks: ``comm_busy_ms``, the wall time per step some collective
+was in flight (the union of their spans), and ``comm_exposed_ms``, the part of it no
+computation covered (``dlab.core.events.comm_times``); from the timeline, ``hidden``, the
+fraction of the all-reduces' time that overlapped backward (communication hidden behind
 computation). There is no such figure for PyTorch: its built-in reducer's all-reduces do not
 show on dlab's timeline.
 """
@@ -34,7 +36,8 @@ def measure(strategy: str, world_size: int, options: dict, steps: int, runs_dir:
         comm, hidden = comm + c, hidden + h
     return {"step_s": step_time(run),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
-            "comm_ms": 1e3 * comm / world_size / (steps - 1),
+            "comm_busy_ms": 1e3 * statistics.mean(r["comm_busy_s_per_step"] for r in rows),
+            "comm_exposed_ms": 1e3 * statistics.mean(r["comm_exposed_s_per_step"] for r in rows),
             "hidden": hidden / comm if comm else 0.0}
 
 
@@ -56,5 +59,6 @@ def run(quick: bool = False) -> list[dict]:
                                      bucket_mb=cap, metric="step_time_s",
                                      tokens_per_s=round(m["tokens_per_s"]),
                                      peer_tokens_per_s=round(peer["tokens_per_s"]),
-                                     comm_ms=m["comm_ms"], hidden=m["hidden"]))
+                                     comm_busy_ms=m["comm_busy_ms"],
+                                     comm_exposed_ms=m["comm_exposed_ms"], hidden=m["hidden"]))
     return rows

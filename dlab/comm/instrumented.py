@@ -23,7 +23,10 @@ payload bytes, time, and three byte figures that must not be confused:
   tests/test_wire_bytes.py. Gloo's reduce-scatter is a whole all-reduce, twice the ring's
   bytes; ``reduce_scatter_algorithm = "ring"`` runs dlab's own ring reduce-scatter instead.
 
-Async operations are timed from launch to ``wait()``.
+Async operations are timed from launch to ``wait()``. ``seconds`` is the plain sum of every
+op's span, and overlapping async ops make it exceed the wall time; while ``spans`` is a list
+(the training loop sets one per step) each op also appends ``(start, end, blocked)``, from
+which ``dlab.core.events.comm_times`` takes the union: the busy and the exposed time.
 """
 from __future__ import annotations
 
@@ -88,8 +91,8 @@ class _Timed:
     window closes when the op completes (its future's callback, where the backend has one) or
     at ``wait()``, whichever comes first."""
 
-    def __init__(self, work, stats: OpStats, start: float, token):
-        self.work, self.stats, self.start = work, stats, start
+    def __init__(self, comm, work, stats: OpStats, start: float, token):
+        self.comm, self.work, self.stats, self.start = comm, work, stats, start
         self._token, self._lock = token, threading.Lock()
         if token is not None:
             try:
@@ -104,9 +107,11 @@ class _Timed:
                 meter.end(token)
 
     def wait(self):
+        begin = time.perf_counter()
         self.work.wait()
         self._close()
-        self.stats.seconds += time.perf_counter() - self.start
+        self.comm.spent(self.stats, self.start)
+        self.comm.blocked(begin)
         return True
 
     def is_completed(self) -> bool:
@@ -139,6 +144,22 @@ class Comm:
         self.measurable = self.gloo and meter.available
         # "backend": the backend's reduce_scatter_tensor; "ring": dlab's ring (half Gloo's bytes)
         self.reduce_scatter_algorithm = "backend"
+        self.spans: list[tuple[float, float, bool]] | None = None  # collected only when a list
+
+    def spent(self, stats: OpStats, start: float, end: float | None = None,
+              blocked: bool = False) -> None:
+        """Book one op's time, ``start`` to ``end`` (now if None) on ``time.perf_counter``:
+        its seconds, and its span if spans are collected. ``blocked``: the caller could do
+        nothing else meanwhile (a blocking call), as against an op in flight behind other work."""
+        end = time.perf_counter() if end is None else end
+        stats.seconds += end - start
+        if self.spans is not None:
+            self.spans.append((start, end, blocked))
+
+    def blocked(self, start: float) -> None:
+        """The caller waited from ``start`` until now for an async op it launched earlier."""
+        if self.spans is not None:
+            self.spans.append((start, time.perf_counter(), True))
 
     # bookkeeping ------------------------------------------------------------------------
     def record(self, op: str, payload: int, sent: float, recv: float, seconds: float = 0.0,
@@ -148,7 +169,8 @@ class Comm:
         s.payload_bytes += payload
         s.sent_bytes += sent
         s.recv_bytes += recv
-        s.seconds += seconds
+        if seconds:  # an op timed by its caller, which waited for it
+            self.spent(s, time.perf_counter() - seconds, blocked=True)
         if self.gloo and gloo is not None:
             s.gloo_bytes = (s.gloo_bytes or 0) + gloo
         if self.measurable and s.wire_bytes is None:
@@ -167,10 +189,10 @@ class Comm:
                 meter.end(token)
             raise
         if async_op:
-            return _Timed(work, stats, start, token)
+            return _Timed(self, work, stats, start, token)
         if token is not None:
             meter.end(token)
-        stats.seconds += time.perf_counter() - start
+        self.spent(stats, start, blocked=True)
         return None
 
     def snapshot(self) -> dict[str, dict]:

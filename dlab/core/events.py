@@ -71,6 +71,28 @@ def overlap(a, b) -> float:
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in union(a) for s2, e2 in union(b))
 
 
+def comm_times(comm, blocked, compute, window: tuple[float, float]) -> tuple[float, float]:
+    """(exposed, busy) seconds of one rank's communication in one step.
+
+    ``comm``: the spans in which some collective of the rank was in flight (launch to
+    completion); ``blocked``: the spans in which the rank could do nothing but wait for one (a
+    blocking call, or a ``wait()`` on an async one); ``compute``: its own work (``BUSY_KINDS``),
+    whose spans may contain blocked ones (a tensor-parallel forward waits inside its
+    all-reduce); ``window``: the step, to which every span is clipped.
+
+    busy = |C|, the union of the collectives' spans: the time the network had work, counted once
+    however many collectives overlap (their plain sum can exceed the step, as a DDP step whose
+    buckets all wait for the same wire shows). exposed = |C \\ (K \\ S)|, the part of it no
+    computation covers, with K the compute spans and S the blocked ones (taken into C, as a
+    rank waiting on a collective is communicating); as S lies in C it is
+    |C| - |C & K| + |K & S|. So exposed <= busy <= the window, whatever overlaps."""
+    lo, hi = window
+    clip = lambda xs: [(max(s, lo), min(e, hi)) for s, e in xs if min(e, hi) > max(s, lo)]  # noqa: E731
+    c, s, k = clip(list(comm) + list(blocked)), clip(blocked), clip(compute)  # S inside C
+    busy = covered(c)
+    return busy - overlap(c, k) + overlap(k, s), busy
+
+
 def spans(events: list[dict], kinds) -> list[tuple[float, float]]:
     return [(e["start"], e["end"]) for e in events if e["kind"] in kinds]
 

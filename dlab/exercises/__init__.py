@@ -15,7 +15,10 @@ self-contained: ``torch``, ``dist`` and ``math`` are in scope, anything else is 
 it), run there on inputs the checker makes, and the ranks' answers come back to be compared
 with what the reference gives on the same inputs. The report names the rank, the element or
 step, and expected against got; a rank that raises is named with its exception. Where an
-exercise says "send/recv only", the collectives are taken away from ``dist`` on the ranks.
+exercise says "send/recv only", the collectives are taken away from ``dist`` on the ranks. Where
+the property taught is how the answer communicates (the ring's bytes per rank, ZeRO-1's
+reduce-scatter and all-gather), the exercise wraps ``dist``'s functions on the ranks to log what
+the answer called and sent, and the judge checks that too (``Exercise.watch``).
 
 Reference solutions live apart from the notebooks, in ``docs/instructor/solutions/`` (one file
 per exercise, the instructor's to show), with notes per notebook in ``docs/instructor/``;
@@ -76,13 +79,18 @@ def on_rank(name: str, source: str, fname: str):
     """On each rank: define the learner's function from its source and run the exercise."""
     ex = EXERCISES[name]
     fn = define(source, fname)
-    taken = {}
+    taken, log = {}, {}
     if ex.p2p_only:
         for op in COLLECTIVES:
             taken[op] = getattr(dist, op)
             setattr(dist, op, _forbidden(op))
+    for op, wrap in (ex.watch(log) if ex.watch else {}).items():
+        if hasattr(dist, op):
+            taken.setdefault(op, getattr(dist, op))
+            setattr(dist, op, wrap(getattr(dist, op)))
     try:
-        return ex.run(fn, dist.get_rank(), dist.get_world_size())
+        answer = ex.run(fn, dist.get_rank(), dist.get_world_size())
+        return (answer, log) if ex.watch else answer
     finally:
         for op, f in taken.items():
             setattr(dist, op, f)

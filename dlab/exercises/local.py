@@ -1,7 +1,7 @@
-"""The exercises that run in the notebook's own process: the rows a rank takes (00), the 1F1B
-order (06), resharding a checkpoint (07), the online-softmax merge (08), a mesh's groups (10),
-ZeRO's model states (11), and top-k with error feedback (12). Each is checked on several cases
-against dlab's own implementation or a direct computation."""
+"""The exercises that run in the notebook's own process: the 1F1B order (06), resharding a
+checkpoint (12), the online-softmax merge (08), a mesh's groups (10), and top-k with error
+feedback (13). Each is checked on several cases against dlab's own implementation or a direct
+computation."""
 from __future__ import annotations
 
 import math
@@ -10,26 +10,7 @@ import torch
 
 from dlab.exercises.registry import exercise, first_difference
 from dlab.layout import schedules
-from dlab.models.data import shard
 from dlab.theory import simulate as simulation
-from dlab.theory.memory import paper_memory
-
-
-# --- 00: which rows a rank takes ----------------------------------------------------------------
-def run_shard_rows(fn):
-    return {(b, r, n): list(fn(b, r, n)) for b, n in ((8, 2), (12, 4), (6, 3)) for r in range(n)}
-
-
-@exercise(name="shard_rows", notebook="00_start_here",
-          task="shard_rows(batch_size, rank, world_size): the rows of the global batch this rank "
-               "trains on (contiguous, equal shares, as dlab.models.data.shard cuts them)",
-          run=run_shard_rows)
-def judge_shard_rows(answer):
-    for (b, r, n), got in answer.items():
-        want = shard((torch.arange(b),), r, n)[0].tolist()
-        if got != want:
-            return f"batch {b}, rank {r} of {n}: expected rows {want}, got {got}"
-    return None
 
 
 # --- 06: the 1F1B order -------------------------------------------------------------------------
@@ -168,25 +149,6 @@ def judge_mesh_groups(answer):
         want = sorted(row.tolist() for row in moved)
         if sorted(map(list, got)) != want:
             return f"mesh {dict(dims)}, groups along {dim!r}: expected {want}, got {got}"
-    return None
-
-
-# --- 11: ZeRO's model states --------------------------------------------------------------------
-def run_zero_memory(fn):
-    return {(psi, n, s): fn(psi, n, s) for psi in (7.5e9, 1e9) for n in (1, 8, 64) for s in range(4)}
-
-
-@exercise(name="zero_memory", notebook="11_planning_at_scale",
-          task="zero_memory(psi, n, stage): bytes of model states per GPU for psi parameters on n "
-               "data-parallel GPUs, mixed-precision Adam (2 + 2 + 12 bytes per parameter), ZeRO "
-               "stage 0-3 (Rajbhandari et al. 2020, fig. 1)",
-          run=run_zero_memory)
-def judge_zero_memory(answer):
-    for (psi, n, s), got in answer.items():
-        want = sum(paper_memory(psi, n, s).values())
-        if not math.isclose(got, want, rel_tol=1e-9):
-            return (f"psi = {psi:g}, n = {n}, stage {s}: expected {want / 2**30:.2f} GiB, got "
-                    f"{got / 2**30:.2f} GiB")
     return None
 
 

@@ -29,6 +29,9 @@ class Exercise:
     judge: Callable  # (answers: one per rank, or the one answer) -> what is wrong, or None
     ranks: int = 0  # 0: run in the notebook's own process
     p2p_only: bool = False  # the collectives are taken away on the ranks
+    # on a rank: (log) -> {dist function name: (original) -> wrapper that logs into ``log``};
+    # the judge then gets (answer, log) per rank: what the answer did, not only what it returned
+    watch: Callable | None = None
 
 
 EXERCISES: dict[str, Exercise] = {}

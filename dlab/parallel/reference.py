@@ -223,7 +223,7 @@ def _counting_allreduce_hook(strategy, bucket):
     work = comm.all_reduce(bucket.buffer().div_(comm.size), async_op=True)
 
     def finished(fut):
-        work.stats.seconds += time.perf_counter() - work.start
+        comm.spent(work.stats, work.start)
         tl.add("all_reduce", start, tl.now(), bucket=bucket.index())
         return fut.value()[0]
 
@@ -239,7 +239,7 @@ def _counted(strategy, bucket, fut, payload: int):
     stats = comm.record("all_reduce", payload, wire, wire)
 
     def finished(f):
-        stats.seconds += time.perf_counter() - begin
+        comm.spent(stats, begin)
         tl.add("all_reduce", start, tl.now(), bucket=bucket.index())
         return f.value()
 

@@ -130,8 +130,11 @@ def draw_run(fig: Figure, metrics: dict[int, list[dict]], events: list[dict], ti
 
     ax = fig.add_subplot(grid[1, 2])
     for r in ranks:
-        ax.plot(*series(r, lambda m: 100 * m["comm"]["seconds"] / m["step_time"]), lw=1.2)
-    style(ax, "time in collectives (% of step)", "step")
+        line = ax.plot(*series(r, lambda m: 100 * m["comm"].get("exposed_seconds", float("nan"))
+                                / m["step_time"]), lw=1.2)
+        ax.plot(*series(r, lambda m: 100 * m["comm"].get("busy_seconds", float("nan"))
+                        / m["step_time"]), lw=1.0, ls=":", color=line[0].get_color())
+    style(ax, "comm exposed (solid) and busy (dotted), % of step", "step")
 
     if pipeline:
         bubble_panel(fig.add_subplot(grid[2, 0]), events, config)

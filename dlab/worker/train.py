@@ -28,6 +28,7 @@ import torch
 
 from dlab.comm.instrumented import OpStats
 from dlab.comm.wire import meter
+from dlab.core.events import comm_times
 from dlab.core.machine import device_peak_flops
 from dlab.core.rundir import RankWriter
 from dlab.models.data import make_data
@@ -74,10 +75,13 @@ def _delta(after: OpStats, before: OpStats | None) -> dict:
             "gloo_bytes": _minus(after.gloo_bytes, before.gloo_bytes)}
 
 
-def _comm_record(strategy: Strategy, before: tuple, after: tuple, wire: int | None) -> tuple[dict, dict]:
-    """The step's totals and per-op figures; ``wire`` is the step's measured total."""
+def _comm_record(strategy: Strategy, before: tuple, after: tuple, wire: int | None,
+                 times: tuple[float, float]) -> tuple[dict, dict]:
+    """The step's totals and per-op figures; ``wire`` is the step's measured total, ``times``
+    its (exposed, busy) communication seconds (``dlab.core.events.comm_times``)."""
     (before_total, before_ops), (after_total, after_ops) = before, after
     total = _delta(after_total, before_total)
+    total["exposed_seconds"], total["busy_seconds"] = times
     by_op = {op: _delta(s, before_ops.get(op)) for op, s in after_ops.items()}
     measurable = wire is not None and all(c.measurable for c in strategy.comms())
     total["wire_bytes"] = wire if measurable else None
@@ -90,6 +94,17 @@ def _comm_record(strategy: Strategy, before: tuple, after: tuple, wire: int | No
 #: the spans in which a rank does its own work; the rest of a step it waits (for a peer, for
 #: bytes). An injected straggler's delay counts as its own work: it is the slow rank's time.
 BUSY_KINDS = ("forward", "backward", "weight_grad", "optimizer", "straggle")
+
+
+def _step_comm_times(strategy: Strategy, events: list[dict], t0: float,
+                     window: tuple[float, float]) -> tuple[float, float]:
+    """(exposed, busy) seconds of the step's communication: the spans every ``Comm`` of the
+    strategy collected (``perf_counter`` times, moved onto the timeline's clock by ``t0``)
+    against the step's own work."""
+    collected = [(s - t0, e - t0, b) for c in strategy.comms() for s, e, b in c.spans or ()]
+    work = [(e["start"], e["end"]) for e in events if e["kind"] in BUSY_KINDS]
+    return comm_times([(s, e) for s, e, _ in collected], [(s, e) for s, e, b in collected if b],
+                      work, window)
 
 
 def busy_seconds(events: list[dict]) -> float:
@@ -129,6 +144,8 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
         batch = data.global_batch(step)
         wire_start = meter.cut()  # an op still in flight from the last step is charged there
         before, before_dims = _comm_totals(strategy), _dim_totals(strategy)
+        for c in strategy.comms():
+            c.spans = []
         start, wall, cpu = time.perf_counter(), ctx.timeline.now(), time.process_time()
         if delay:
             with ctx.timeline.span("straggle", delay_s=delay):
@@ -138,8 +155,10 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
         wire_end = meter.cut()  # ... and one still in flight now, here, for what it wrote so far
         ctx.timeline.add("step", wall, ctx.timeline.now())
         busy = busy_seconds(ctx.timeline.events)
+        times = _step_comm_times(strategy, ctx.timeline.events, ctx.timeline.t0,
+                                 (wall, ctx.timeline.now()))
         comm, comm_by_op = _comm_record(strategy, before, _comm_totals(strategy),
-                                        None if wire_start is None else wire_end - wire_start)
+                                        None if wire_start is None else wire_end - wire_start, times)
         record = {
             "step": step, "rank": ctx.rank, "world_size": ctx.world_size, "attempt": attempt,
             "time": ctx.timeline.now(),

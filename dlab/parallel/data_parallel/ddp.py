@@ -152,7 +152,7 @@ class DistributedDataParallel(Replica):
         def finished(fut):
             # Timed at completion (not at the wait after backward) so the seconds and the
             # timeline show when the bytes actually moved.
-            work.stats.seconds += time.perf_counter() - work.start
+            comm.spent(work.stats, work.start)
             tl.add("all_reduce", start, tl.now(), bucket=bucket.index)
             return fut.value()
 
@@ -163,7 +163,7 @@ class DistributedDataParallel(Replica):
         begin = time.perf_counter()
         report = self.ring(bucket.flat, group=comm.group, op="sum")
         sent, recv = _report_bytes(report, bucket.nbytes, comm.size)
-        comm.record("all_reduce", bucket.nbytes, sent, recv, time.perf_counter() - begin)
+        comm.spent(comm.record("all_reduce", bucket.nbytes, sent, recv), begin)  # behind backward
         tl.add("all_reduce", start, tl.now(), bucket=bucket.index, algorithm="ring")
 
     def _compressed_reduce(self, bucket, start: float) -> None:

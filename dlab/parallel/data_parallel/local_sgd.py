@@ -39,6 +39,7 @@ checkpoint would need every rank's parameters and inner state, and theta with it
 """
 from __future__ import annotations
 
+import time
 import warnings
 from contextlib import nullcontext
 
@@ -224,10 +225,10 @@ class _Window:
 
     def __enter__(self):
         self.token = meter.begin(self.comm, "all_reduce", self.stats) if self.comm.measurable else None
-        self.start = self.timeline.now()
+        self.start, self.begin = self.timeline.now(), time.perf_counter()
 
     def __exit__(self, *exc):
         if self.token is not None:
             meter.end(self.token)
-        self.stats.seconds += self.timeline.now() - self.start
+        self.comm.spent(self.stats, self.begin, blocked=True)
         self.timeline.add("all_reduce", self.start, self.timeline.now())
