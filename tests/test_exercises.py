@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import WITHOUT_A_CHECKED_EXERCISE
 
 from dlab.exercises import EXERCISES, check
 
@@ -202,9 +203,6 @@ PROPERTY_MISTAKES = {  # exercise: [(wrong answer, what the report must say), ..
 }
 
 
-#: notebooks without a checked exercise: 00 is the tour (its exercises are open ones)
-UNCHECKED = {"00_start_here"}
-
 # a judge that looks at rank (or stage) 0 alone passes these (#41)
 RANK_MISTAKES = {  # exercise: (a mistake whose rank 0 is right, what the report must say)
     "one_f_one_b": ("def one_f_one_b(stage, n_stages, microbatches):\n"  # stage left out
@@ -249,7 +247,7 @@ def test_every_exercise_has_a_solution_and_a_mistake():
     assert set(EXERCISES) == set(MISTAKES) == {p.stem for p in SOLUTIONS.glob("*.py")}
     notebooks = {ex.notebook for ex in EXERCISES.values()}
     on_disk = {p.stem for p in (SOLUTIONS.parents[2] / "notebooks").glob("*.ipynb")}
-    assert notebooks == on_disk - UNCHECKED  # a checked exercise in every other notebook
+    assert notebooks == on_disk - WITHOUT_A_CHECKED_EXERCISE  # a checked exercise in every other notebook
 
 
 @pytest.mark.parametrize("name", sorted(RANK_MISTAKES))
