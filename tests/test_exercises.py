@@ -212,6 +212,28 @@ RANK_MISTAKES = {  # exercise: (a mistake whose rank 0 is right, what the report
                     "        order += [('F', warm + i), ('B', i)]\n"
                     "    return order + [('B', i) for i in range(microbatches - warm, microbatches)]\n",
                     "4 stages, 6 micro-batches, stage 1: after action 3 (F3) it holds 4"),
+    "reduce_scatter": (  # ranks above 0 drop what rank 0 sends them
+        "def reduce_scatter(chunks, rank, world_size):\n"
+        "    sends = [dist.isend(chunks[c], dst=c) for c in range(world_size) if c != rank]\n"
+        "    total = chunks[rank].clone()\n"
+        "    for src in range(world_size):\n"
+        "        if src != rank:\n"
+        "            got = torch.empty_like(chunks[rank])\n            dist.recv(got, src=src)\n"
+        "            if rank == 0 or src != 0:\n                total += got\n"
+        "    for s in sends:\n        s.wait()\n    return total\n", "rank 1, the reduced chunk"),
+    "average_gradients": (  # rank 1 divides by N twice
+        "def average_gradients(model, world_size):\n"
+        "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n"
+        "        p.grad /= world_size if dist.get_rank() == 0 else world_size * world_size\n",
+        "rank 1, gradient of 0.weight"),
+    "column_parallel_linear": (  # rank 1 adds its bias twice
+        "class F(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x):\n        return x.view_as(x)\n"
+        "    @staticmethod\n    def backward(ctx, grad):\n"
+        "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n\n"
+        "def column_parallel_linear(x, w_shard, b_shard):\n"
+        "    b = b_shard if dist.get_rank() == 0 else 2 * b_shard\n"
+        "    return F.apply(x) @ w_shard.T + b\n", "rank 1, output"),
     "ring_all_reduce": (  # a reduce to rank 0: only rank 0 holds the sum
         "def ring_all_reduce(x, rank, world_size):\n"
         "    if rank != 0:\n        dist.send(x, dst=0)\n        return x\n"
