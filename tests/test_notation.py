@@ -57,7 +57,7 @@ PAPERS_OWN = re.compile(r"(?:paper's|papers'|their|(?:et al\.|ZeRO)'s) \S*$")
 
 # Notebooks owned by other work in progress, found against NOTATION.md on main: (notebook,
 # rule's message) -> the cells. Remove an entry when its notebook is fixed; a stale entry fails.
-KNOWN: dict[tuple[str, str], list[int]] = {}
+KNOWN: dict[tuple[str, str], list[int]] = {}  # none today
 
 
 def _cells(nb: Path):
@@ -78,9 +78,6 @@ def _sentences(text: str):
     return re.split(r"(?<=[.;:!?])\s+(?=[A-Z(*])|\n\n", text)
 
 
-# Notebooks the README's table has no row for yet (its seconds measured under nbval on the CI
-# machine): their header is parsed but not compared. A row appearing makes the entry stale.
-PENDING_README_ROWS = {"01_one_device", "14_capstone"}
 WORDS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5}
 
 
@@ -143,9 +140,6 @@ def test_the_header_run_time_is_the_readmes(nb):
     said = _header_seconds(nb)
     assert said is not None, (f"{nb.name}: the first cell must say 'the cells run in about N s' "
                               f"(or N minutes)")
-    if nb.stem in PENDING_README_ROWS:
-        assert measured is None, f"README.md now has a row for {nb.stem}: drop it from PENDING_README_ROWS"
-        pytest.skip(f"README.md has no row for {nb.stem} yet: its header says about {said:g} s")
     assert measured is not None, f"{nb.stem} has no row in README.md's notebook table"
     assert abs(said - measured) <= max(15.0, 0.5 * measured), (
         f"{nb.name}: the header says about {said:g} s, the README's table measured {measured:g} s")
