@@ -20,3 +20,28 @@ def test_layouts_the_model_cannot_take_are_left_out_by_nds_checks():
     assert "tp8 sp" not in taken  # 4 heads do not split 8 ways
     assert "pp8" not in taken  # 4 blocks, 8 stages
     assert "pp2 x dp2 x tp2 zero1 sp" in taken and len(taken) == 17
+
+
+def test_the_peer_rows_name_their_precision_and_fp32_keeps_its_label():
+    bf16 = bench.label({**bench.PEER_LAYOUT, "precision": "bf16"})
+    assert bf16 == "dp2 x tp2 zero3 sp bf16"
+    # the README selects the fp32 row by this label: a bf16 row beside it must not match too
+    assert bench.label({**bench.PEER_LAYOUT, "precision": "fp32"}) == bench.label(bench.PEER_LAYOUT)
+    assert bench.label(bench.PEER_LAYOUT) == "dp2 x tp2 zero3 sp"
+
+
+class _Run:
+    """A finished run's per-rank memory, as ``Run.metrics`` returns it (last step counts)."""
+
+    def __init__(self, memory: list[dict]):
+        self.memory, self.world_size = memory, len(memory)
+
+    def metrics(self, rank):
+        return [{"memory": {k: 0 for k in self.memory[rank]}}, {"memory": self.memory[rank]}]
+
+
+def test_the_peers_model_state_is_its_fullest_ranks_parameters_gradients_and_optimizer():
+    fuller = {"parameters": 3e6, "gradients": 3e6, "optimizer": 6e6, "activations": 9e6,
+              "comm_buffers": 9e6}
+    other = {**fuller, "optimizer": 5e6, "activations": 99e6}  # activations are not state
+    assert bench.state_MB(_Run([other, fuller])) == 12.0
