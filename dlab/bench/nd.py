@@ -91,14 +91,18 @@ def label(options: dict) -> str:
 
 
 def measure(run) -> dict:
-    """The fullest rank's figures beside the estimate for that rank (the last step's)."""
+    """The fullest rank's figures beside the estimate for that rank (the last step's). The
+    model state has its estimate in every precision; the bytes sent and the activations only in
+    fp32 (``estimate.nd.step_bytes`` and ``activations`` take no precision), so in a mixed
+    precision run their ``_model_MB`` are None rather than an fp32 figure beside a bf16 one."""
     cfg = RunConfig.from_dict(run.config)
     lay, mc = Layout.from_options(cfg.options, cfg.world_size), cfg.model_config()
+    precision = cfg.options.get("precision", "fp32")
     per_rank = []
     for r in range(run.world_size):
         m = run.metrics(r)[-1]
         pp_rank = ranks.coords(lay.dims, r)["pp"]
-        state = nd.model_state(mc, lay, pp_rank, cfg.optimizer, cfg.options.get("precision", "fp32"))
+        state = nd.model_state(mc, lay, pp_rank, cfg.optimizer, precision)
         per_rank.append({
             "state_MB": sum(m["memory"][k] for k in state) / MB,
             "state_model_MB": sum(state.values()) / MB,
@@ -111,6 +115,8 @@ def measure(run) -> dict:
     for key in ("state", "sent", "act"):
         top = max(per_rank, key=lambda row: row[f"{key}_MB"])
         out[f"{key}_MB"], out[f"{key}_model_MB"] = top[f"{key}_MB"], top[f"{key}_model_MB"]
+    if precision != "fp32":
+        out["sent_model_MB"] = out["act_model_MB"] = None
     wire = [row["wire_MB"] for row in per_rank]
     out["wire_MB"] = None if None in wire else max(wire)  # not measurable: NCCL, not Linux
     return out
