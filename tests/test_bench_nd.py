@@ -2,8 +2,13 @@
 ``nd``'s own checks (no process is started here)."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
+from test_tensor_parity import fsdp_tp_param_bytes
+
+from dlab import models
 from dlab.bench import nd as bench
 
 
@@ -45,3 +50,20 @@ def test_the_peers_model_state_is_its_fullest_ranks_parameters_gradients_and_opt
               "comm_buffers": 9e6}
     other = {**fuller, "optimizer": 5e6, "activations": 99e6}  # activations are not state
     assert bench.state_MB(_Run([other, fuller])) == 12.0
+
+
+def test_the_stored_bf16_rows_model_state_is_each_sides_formula():
+    """``docs/bench/nd-bf16.json``'s state row: ``nd``'s figure is ``estimate.nd``'s (2 + 2 + 12
+    bytes per parameter, as the step row's ``state_model_MB``), the peer's is FSDP2's 4 + 4 + 8
+    counted from the shapes (``fsdp_tp_param_bytes``): fp32 parameter and gradient shards with
+    FSDP2's padding, Adam's two fp32 moments over the rank's rows without it, and a 4-byte step
+    per parameter tensor, on the fuller dp rank."""
+    rows = json.loads((Path(__file__).parents[1] / "docs/bench/nd-bf16.json").read_text())
+    step, state = ([r for r in rows if r["metric"] == m] for m in ("step_s", "state_MB"))
+    assert len(step) == len(state) == 1 and state[0]["precision"] == "bf16"
+    assert state[0]["dlab"] == step[0]["state_MB"] == step[0]["state_model_MB"]
+    tensors = len(list(models.build("gpt", bench.MODEL, 0).parameters()))
+    padded = fsdp_tp_param_bytes(bench.MODEL, 2, 2)
+    peer = max(2 * padded + 2 * fsdp_tp_param_bytes(bench.MODEL, 2, 2, d) + 4 * tensors
+               for d in range(2))
+    assert state[0]["peer"] == peer / bench.MB

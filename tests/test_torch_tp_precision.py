@@ -2,8 +2,9 @@
 mesh), the peer of ``nd``'s bf16 rows in ``bench nd``: it trains like ``single`` in the same
 precision, to the tolerance ``test_nd_precision`` derives (2u of the reference's largest
 parameter movement and of its loss decrease, u = 2^-8 for bf16), on every rank; and it keeps
-fp32 parameter and gradient shards, FSDP2's padded 1/(dp*tp) of each TP-split matrix, so its
-model state per rank is the fp32 run's (``fsdp_tp_param_bytes``), not ``nd``'s 2 + 2 bytes.
+fp32 parameter and gradient shards, FSDP2's padded 1/(dp*tp) of each TP-split matrix, and
+SGD's fp32 momentum of its rows, so its model state per rank is the fp32 run's
+(``fsdp_tp_param_bytes``), not ``nd``'s 2 + 2 bytes.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_fsdp2_tp_trains_like_single_in_that_precision(precision, runs_dir, refe
     for r in range(4):
         mem = run.metrics(r)[-1]["memory"]
         assert mem["parameters"] == mem["gradients"] == padded, r
+        assert mem["optimizer"] == fsdp_tp_param_bytes(TP_GPT["model_options"], 2, 2, r // 2), r
 
 
 @pytest.mark.parametrize("options,match", [
