@@ -17,13 +17,22 @@ beside the model's for that rank:
 - ``step_s``: the slowest rank's median step time.
 
 The peer rows: dp 2 x ZeRO-3 x tp 2 with sequence parallelism, without recomputation and with
-``recompute`` full and selective, against ``torch-tp`` with ``fsdp=True`` (``fully_shard`` over
-the dp dimension of a DTensor TP mesh) running the same model options; both sides recompute with
-``torch.utils.checkpoint`` through the GPT's own ``recompute`` option, so those rows compare the
-parallelism around it. Their ``dlab`` / ``peer`` / ``ratio`` are step times from the same run.
+``recompute`` full and selective, in fp32 and in bf16, against ``torch-tp`` with ``fsdp=True``
+(``fully_shard`` over the dp dimension of a DTensor TP mesh) running the same model options in
+the same precision (``nd``'s ``precision`` option; the peer's is FSDP2's
+``MixedPrecisionPolicy``); both sides recompute with ``torch.utils.checkpoint`` through the GPT's
+own ``recompute`` option, so those rows compare the parallelism around it. Each pair of runs
+gives two rows, their ``dlab`` / ``peer`` / ``ratio`` from the same two runs: ``metric``
+``step_s`` (the slowest rank's median step time) and ``state_MB`` (the fullest rank's
+parameters + gradients + optimizer state, measured). With Adam both sides hold 16 bytes per
+parameter in either precision, divided differently: ``nd`` in bf16 the ZeRO paper's 2 + 2 + 12
+(bf16 weights and gradients, fp32 masters and moments), FSDP2 4 + 4 + 8 (fp32 shards, the bf16
+weights only while a block is gathered). The precision is in each row and, where not fp32, in
+its ``layout`` label.
 
 On 2 CPU cores 8 ranks share two cores: step times there measure the layouts' overheads and
-bytes, not speed-ups. ``--quick``: the peer row and three 4-rank layouts.
+bytes, not speed-ups. ``--quick``: the peer rows without recomputation (fp32 and bf16) and three
+4-rank layouts.
 """
 from __future__ import annotations
 
@@ -42,6 +51,9 @@ from dlab.worker.validate import problems
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
 BATCH = 8
 PEER_LAYOUT = {"dp": 2, "zero": 3, "tp": 2, "sequence_parallel": True}
+PEER = {"tp": 2, "sequence_parallel": True, "fsdp": True}  # torch-tp's options for that layout
+PRECISIONS = ("fp32", "bf16")
+STATE = ("parameters", "gradients", "optimizer")
 RECOMPUTE = [{}, {"recompute": "full"}, {"recompute": "selective"}]
 QUICK = [{"dp": 4, "zero": 1}, {"pp": 2, "tp": 2, "sequence_parallel": True},
          {"dp": 2, "zero": 1, "cp": 2}]
@@ -74,18 +86,23 @@ def label(options: dict) -> str:
     dims = " x ".join(f"{k}{options[k]}" for k in MESH_ORDER if options.get(k, 1) > 1)
     extra = [f"zero{options['zero']}"] if options.get("zero") else []
     extra += ["sp"] if options.get("sequence_parallel") else []
+    extra += [options["precision"]] if options.get("precision", "fp32") != "fp32" else []
     return " ".join([dims or "single"] + extra)
 
 
 def measure(run) -> dict:
-    """The fullest rank's figures beside the estimate for that rank (the last step's)."""
+    """The fullest rank's figures beside the estimate for that rank (the last step's). The
+    model state has its estimate in every precision; the bytes sent and the activations only in
+    fp32 (``estimate.nd.step_bytes`` and ``activations`` take no precision), so in a mixed
+    precision run their ``_model_MB`` are None rather than an fp32 figure beside a bf16 one."""
     cfg = RunConfig.from_dict(run.config)
     lay, mc = Layout.from_options(cfg.options, cfg.world_size), cfg.model_config()
+    precision = cfg.options.get("precision", "fp32")
     per_rank = []
     for r in range(run.world_size):
         m = run.metrics(r)[-1]
         pp_rank = ranks.coords(lay.dims, r)["pp"]
-        state = nd.model_state(mc, lay, pp_rank, cfg.optimizer, cfg.options.get("precision", "fp32"))
+        state = nd.model_state(mc, lay, pp_rank, cfg.optimizer, precision)
         per_rank.append({
             "state_MB": sum(m["memory"][k] for k in state) / MB,
             "state_model_MB": sum(state.values()) / MB,
@@ -98,32 +115,49 @@ def measure(run) -> dict:
     for key in ("state", "sent", "act"):
         top = max(per_rank, key=lambda row: row[f"{key}_MB"])
         out[f"{key}_MB"], out[f"{key}_model_MB"] = top[f"{key}_MB"], top[f"{key}_model_MB"]
+    if precision != "fp32":
+        out["sent_model_MB"] = out["act_model_MB"] = None
     wire = [row["wire_MB"] for row in per_rank]
     out["wire_MB"] = None if None in wire else max(wire)  # not measurable: NCCL, not Linux
     return out
 
 
-def run(quick: bool = False) -> list[dict]:
+def state_MB(run) -> float:
+    """The fullest rank's measured model state (parameters + gradients + optimizer), MB."""
+    return max(sum(run.metrics(r)[-1]["memory"][k] for k in STATE)
+               for r in range(run.world_size)) / MB
 
+
+def peer_rows(recompute: dict, precision: str, runs_dir: str, common: dict) -> list[dict]:
+    """dp2 x ZeRO-3 x tp2 + SP against FSDP2 + TP in ``precision``: step time and model state,
+    each as dlab / peer, from one run of each."""
+    model, prec = {**MODEL, **recompute}, {"precision": precision}
+    peer = launch("torch-tp", 4, runs_dir=runs_dir, wait=True, model_options=model,
+                  options={**PEER, **prec}, **common)
+    mine = launch("nd", 4, runs_dir=runs_dir, wait=True, model_options=model,
+                  options={**PEER_LAYOUT, **prec}, **common)
+    what = {"layout": label({**PEER_LAYOUT, **prec}), "ranks": 4,
+            "recompute": recompute.get("recompute", "none"), "precision": precision,
+            "peer_name": "torch-tp fsdp"}
+    figures = measure(mine)
+    return [compared(step_time(mine), step_time(peer), **what, metric="step_s",
+                     step_s=step_time(mine), **figures),
+            compared(figures["state_MB"], state_MB(peer), **what, metric="state_MB")]
+
+
+def run(quick: bool = False) -> list[dict]:
     common = {"batch_size": BATCH, "steps": 3 if quick else 6}
     rows = []
     with tempfile.TemporaryDirectory() as runs_dir:
         for recompute in RECOMPUTE[:1] if quick else RECOMPUTE:
-            model = {**MODEL, **recompute}
-            peer = launch("torch-tp", 4, runs_dir=runs_dir, wait=True, model_options=model,
-                               options={"tp": 2, "sequence_parallel": True, "fsdp": True}, **common)
-            mine = launch("nd", 4, runs_dir=runs_dir, wait=True, model_options=model,
-                               options=PEER_LAYOUT, **common)
-            rows.append(compared(step_time(mine), step_time(peer), layout=label(PEER_LAYOUT),
-                                 ranks=4, recompute=recompute.get("recompute", "none"),
-                                 metric="step_s", peer_name="torch-tp fsdp",
-                                 step_s=step_time(mine), **measure(mine)))
+            for precision in PRECISIONS:
+                rows += peer_rows(recompute, precision, runs_dir, common)
         grid = [(4, o) for o in QUICK] if quick else [(w, o) for w in (4, 8) for o in layouts(w)]
         for world, options in grid:
             if not runnable(world, options):
                 continue
             mine = launch("nd", world, runs_dir=runs_dir, wait=True, model_options=MODEL,
-                               options=options, **common)
+                          options=options, **common)
             rows.append({"layout": label(options), "ranks": world, "recompute": "none",
-                         "step_s": step_time(mine), **measure(mine)})
+                         "precision": "fp32", "step_s": step_time(mine), **measure(mine)})
     return rows

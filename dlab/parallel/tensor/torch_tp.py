@@ -28,10 +28,19 @@ all-gathers a block's TP shards over dp before its forward and backward and redu
 (averages) its gradients over dp, so a rank holds 1/(dp*tp) of each TP-split matrix and 1/dp of
 what TP replicates, its gradient and optimizer state likewise; its collectives bypass ``Comm``
 too. With dp = 1 there is nothing to shard over: ``fsdp`` is refused there (``problems``).
+
+``precision`` (the names of ``dlab.core.precision``) is FSDP2's ``MixedPrecisionPolicy``, so it
+needs ``fsdp``: the sharded parameters stay fp32 and are what the optimizer steps (the fp32
+masters), each all-gather casts them to ``param_dtype`` = bf16 for the forward and backward,
+and the gradients are reduce-scattered in ``reduce_dtype`` (bf16 for ``bf16``, fp32 for
+``bf16-fp32-grads``) and kept in the parameters' fp32. So the state per parameter is 4 + 4 + k
+bytes, not the ZeRO paper's 2 + 2 + 12 of ``nd``: the bf16 copy exists only while a block is
+gathered. ``fp16`` is refused: FSDP2 has no loss scaler of its own.
 """
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -48,6 +57,7 @@ from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
 from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.mesh import Mesh
+from dlab.parallel.mixed import PRECISION, grad_dtype, precision_of
 from dlab.parallel.tensor.strategy import OPTIONS, TensorParallelLayout
 from dlab.parallel.zero.torch_fsdp import ParamMeter, shard_with_fsdp2
 
@@ -108,7 +118,8 @@ class TorchTensorParallel(TensorParallelLayout, Strategy):
                "fsdp": Option("bool", "shard parameters, gradients and optimizer state over the "
                               "data-parallel ranks with FSDP2 (fully_shard on the 'dp' mesh "
                               "dimension, after TP) instead of all-reducing gradients; the peer "
-                              "of nd with zero=3; needs dp = world_size / tp > 1", default=False)}
+                              "of nd with zero=3; needs dp = world_size / tp > 1", default=False),
+               "precision": PRECISION}
 
     @classmethod
     def problems(cls, config):
@@ -118,6 +129,13 @@ class TorchTensorParallel(TensorParallelLayout, Strategy):
             p.append(f"fsdp needs dp > 1: world_size={config.world_size} with tp={tp} leaves one "
                      f"data-parallel rank, nothing for FSDP2 to shard over; use a world_size "
                      f"that is a multiple of tp above it, a smaller tp, or fsdp=False")
+        prec = precision_of(config)
+        if prec.mixed and not config.options.get("fsdp", False):
+            p.append(f"precision={prec.name} needs fsdp=True: it is FSDP2's MixedPrecisionPolicy "
+                     f"(fp32 parameter shards, bf16 compute); set fsdp=True or precision=fp32")
+        if prec.loss_scaled:
+            p.append(f"precision={prec.name} needs a loss scaler, which FSDP2 does not have; use "
+                     f"precision=bf16 or bf16-fp32-grads")
         return p
 
     def setup(self) -> None:
@@ -153,7 +171,9 @@ class TorchTensorParallel(TensorParallelLayout, Strategy):
             # after TP, as torchtitan orders it: FSDP2 shards each TP DTensor again over dp (and
             # points the tied head at the embedding's weight as it is at call time, since
             # FSDP2 swaps the sharded and the gathered parameter)
-            shard_with_fsdp2(self.model, mesh=self.mesh.device_mesh["dp"])
+            prec = precision_of(self.ctx.config)
+            policy = MixedPrecisionPolicy(param_dtype=prec.compute, reduce_dtype=grad_dtype(prec))
+            shard_with_fsdp2(self.model, mesh=self.mesh.device_mesh["dp"], mp_policy=policy)
         self.params = list(self.model.parameters())
         self.optimizer = self.build_optimizer(self.params)
         self.meter = (FSDPLocalShardMeter(self.model) if self.fsdp
@@ -164,8 +184,10 @@ class TorchTensorParallel(TensorParallelLayout, Strategy):
         tl = self.ctx.timeline
         self.optimizer.zero_grad()
         self.meter.reset_peak()
-        with loss_parallel():  # cross-entropy on this rank's vocabulary slice of the logits
-            loss = _local(self.forward_backward(x, y))
+        # cross-entropy on this rank's vocabulary slice of the logits, in fp32 as ``single``
+        # and ``nd`` take it in mixed precision (FSDP2 leaves the root's output in bf16)
+        with loss_parallel():
+            loss = _local(self.forward_backward(x, y, module=lambda x: self.model(x).float()))
         if self.dp > 1 and not self.fsdp:  # FSDP2 reduce-scatters the gradients in backward
             with tl.span("all_reduce"):
                 locals_ = [_LocalGrad(p) for p in self.params]
