@@ -184,6 +184,8 @@ MUTATIONS = [
         "dlab/theory/plan/time.py",
         (("else ((\"all_reduce\", 2),)", "else ((\"all_reduce\", 1),)"),),
         ("tests/test_plan.py::test_tensor_parallel_bytes_are_korthikantis_per_layer_count",),
+    ),
+    Mutation(
         "dispatch-any-collective",
         "the dispatch checker lets the rows travel by all-gather or send/recv",
         "dlab/exercises/distributed.py",
@@ -197,6 +199,8 @@ MUTATIONS = [
         "dlab/exercises/distributed.py",
         (("    if payload[0] != leaving:\n", "    if payload[0] < leaving:\n"),),
         ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-2]",),
+    ),
+    Mutation(
         "mp-master-not-cast-back",
         "mixed precision: the optimizer updates the fp32 master but the fp16/bf16 compute copy is "
         "never refreshed from it",
@@ -211,6 +215,8 @@ MUTATIONS = [
         (("            objective = loss * (self.loss_weight / k)\n",
           "            objective = loss * self.loss_weight\n"),),
         ("tests/test_mixed_precision.py::test_accumulated_micro_batches_give_the_whole_batch_step",),
+    ),
+    Mutation(
         "nd-ckpt-drops-optim",
         "nd's loader restores a resharded parameter but not its momentum (ZeRO 0 ranks)",
         "dlab/parallel/nd/state.py",
@@ -224,6 +230,8 @@ MUTATIONS = [
         (('    return (dim, nd.mesh.rank("tp") * size, size), shape\n',
           "    return (dim, 0, size), shape\n"),),
         ("tests/test_nd_checkpoint.py::test_pp2_dp2_zero2_reshards_into_tp2_and_single",),
+    ),
+    Mutation(
         "nd-mp-masters-not-refreshed",
         "nd, mixed precision, ZeRO >= 1: the bf16 copy is not refreshed from the updated fp32 master",
         "dlab/parallel/nd/sharding.py",
@@ -247,6 +255,8 @@ MUTATIONS = [
           "\"embed.tok.weight\")))\n",
           "                pass\n"),),
         ("tests/test_nd_parity.py::test_pipeline_and_zero_on_two_ranks_train_like_single[{'pp': 2}]",),
+    ),
+    Mutation(
         "comm-busy-summed",
         "a step's busy communication time the plain sum of the ops' spans, not their union",
         "dlab/core/events.py",
