@@ -1,7 +1,7 @@
 """Context parallelism: bytes each rank sends per step, and the causal work per rank.
 
-With n ranks, a batch of b sequences of T tokens, width d and L layers, one rank's K and V of
-one layer are kv = 2 b (T/n) d * 4 bytes (fp32). Per layer and step a rank sends:
+With n ranks, a batch of b sequences of s tokens, width h and L layers (NOTATION.md), one rank's K and V of
+one layer are kv = 2 b (s/n) h * 4 bytes (fp32). Per layer and step a rank sends:
 
     allgather   (n-1) kv  (all-gather, forward)  + (n-1) kv  (reduce-scatter of dK, dV)
     ring        (n-1) kv  (blocks, forward)      + (n-1) kv  (blocks again, backward)
@@ -13,7 +13,7 @@ one layer are kv = 2 b (T/n) d * 4 bytes (fp32). Per layer and step a rank sends
 
 and, as in data parallelism, 2 (W-1)/W P for the gradients of P parameter bytes over all W
 ranks (W = n, or n x dp under CP x DP). The ring
-sends 1.5x the all-gather's K/V bytes (asymptotically) but keeps one rank's memory at T/n;
+sends 1.5x the all-gather's K/V bytes (asymptotically) but keeps one rank's memory at s/n;
 Ulysses sends 4 (n-1)/n kv, under 4 kv at any n, where the other two grow as n kv.
 """
 from __future__ import annotations
