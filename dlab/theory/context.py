@@ -9,7 +9,7 @@ one layer are kv = 2 b (s/n) h * 4 bytes (fp32). Per layer and step a rank sends
     ulysses     (n-1)/n 2 kv (Q, K, V to heads,  + (n-1)/n 2 kv (their gradients, the
                 the output back: 1.5 + 0.5 kv)                   reverse all-to-alls)
     usp         Ulysses' 4 (u-1)/u kv inside groups of u ranks + the ring's (3r - 2) kv over
-                r = n/u groups (a ring block is h/u heads of u ranks' tokens: kv again)
+                r = n/u groups (a ring block is 1/u of the heads of u ranks' tokens: kv again)
 
 and, as in data parallelism, 2 (W-1)/W P for the gradients of P parameter bytes over all W
 ranks (W = n, or n x dp under CP x DP). The ring
