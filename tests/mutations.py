@@ -188,7 +188,7 @@ MUTATIONS = [
     Mutation(
         "dispatch-any-collective",
         "the dispatch checker lets the rows travel by all-gather or send/recv",
-        "dlab/exercises/distributed.py",
+        "dlab/exercises/model_parallel.py",
         (('    others = sorted({op for op, _, _ in calls if op != "all_to_all_single"})\n',
           "    others = []\n"),),
         ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-0]",),
@@ -196,7 +196,7 @@ MUTATIONS = [
     Mutation(
         "dispatch-bytes-unchecked",
         "the dispatch checker accepts an all-to-all that sends every row to every rank",
-        "dlab/exercises/distributed.py",
+        "dlab/exercises/model_parallel.py",
         (("    if payload[0] != leaving:\n", "    if payload[0] < leaving:\n"),),
         ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-2]",),
     ),
@@ -275,7 +275,7 @@ MUTATIONS = [
     Mutation(
         "zero3-judge-rank0-only",
         "the zero3_forward checker looks at rank 0's gathered parameters only",
-        "dlab/exercises/distributed.py",
+        "dlab/exercises/data_parallel.py",
         (("    for r, (_, log) in enumerate(answers):\n        one =",
           "    for r, (_, log) in enumerate(answers[:1]):\n        one ="),),
         ("tests/test_exercises.py::test_the_checker_looks_at_every_rank[zero3_forward]",),

@@ -1,0 +1,76 @@
+"""What the distributed exercises share: each rank's inputs made from (rank, world) alone, the
+per-rank comparison a judge reports by, and the wrappers that log what an answer calls on
+``dist`` (``Exercise.watch``), so a judge can check how the answer communicates and not only
+its result."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dlab.exercises.registry import first_difference
+
+WORLD = 4
+
+
+def values(rank: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randint(-9, 10, (n,), generator=g).float()
+
+
+def per_rank(answers, want, what: str) -> str | None:
+    for r, (got, exp) in enumerate(zip(answers, want)):
+        wrong = first_difference(got, exp, what)
+        if wrong:
+            return f"rank {r}, {wrong}"
+    return None
+
+
+# --- watching what an answer calls ------------------------------------------------------------
+#: the collectives a watched answer may call, by the name the judges use (torch 2.13's new names too)
+KINDS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
+          "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+          "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
+          "all_gather_single": "all_gather", "broadcast": "broadcast", "gather": "gather",
+          "reduce": "reduce"}
+
+
+def flat(t) -> torch.Tensor:
+    return torch.cat([x.reshape(-1) for x in t]) if isinstance(t, (list, tuple)) else t
+
+
+def outermost(on_call):
+    """A wrapper factory whose wrappers call ``on_call(name, args, kwargs)`` for the learner's
+    call only: torch 2.13's old names call the new ones, which are wrapped too."""
+    depth = [0]
+
+    def factory(name):
+        def wrap(op):
+            def watched(*args, **kwargs):
+                if not depth[0]:
+                    on_call(name, args, kwargs)
+                depth[0] += 1
+                try:
+                    return op(*args, **kwargs)
+                finally:
+                    depth[0] -= 1
+            return watched
+        return wrap
+    return factory
+
+
+def log_collectives(log):
+    """Wrap the collectives to log each call: its kind, the elements it took in and, kept as a
+    reference (read when the answer has returned, so async ops have finished), what it wrote."""
+    log["calls"] = []
+
+    def on_call(name, args, kwargs):
+        kind = KINDS[name]
+        out, inp = (args + (None, None))[:2]
+        if kind in ("all_reduce", "broadcast", "reduce", "gather"):
+            inp = out
+        log["calls"].append({"kind": kind, "out": out, "async": bool(kwargs.get("async_op")),
+                             "in_numel": 0 if inp is None else flat(inp).numel(),
+                             "t": time.perf_counter()})
+    factory = outermost(on_call)
+    return {name: factory(name) for name in KINDS}
