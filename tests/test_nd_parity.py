@@ -69,9 +69,7 @@ def check(world, config, options, runs_dir, reference, reference_config=None):
         sent = nd.step_bytes(mc, lay, cfg.batch_size, pp_rank, options.get("attention", "ring"),
                              options.get("ulysses", 2))
         gpt = config["model"] == "gpt"
-        modelled = gpt and lay.schedule not in ("zb-h1", "zbv") and (
-            lay.cp == 1 or options.get("attention", "ring") == "ring")
-        held = nd.activations(mc, lay, cfg.batch_size, pp_rank) if modelled else None
+        held = nd.activations(mc, lay, cfg.batch_size, pp_rank) if gpt else None
         for m in run.metrics(r):
             got = {k: m["memory"][k] for k in want}
             assert got == want, (r, got, want)
@@ -143,6 +141,40 @@ def test_recomputation_changes_nothing_but_memory_and_bytes(world, recompute, op
     """Recomputed blocks gather their ZeRO-3 shards and run their tensor- and context-parallel
     collectives again in backward; the training is still ``single``'s without recomputation,
     and the activations and the repeated collectives' bytes are the estimate's."""
+    config = {**GPT, "model_options": {**GPT["model_options"], **recompute}}
+    check(world, config, options, runs_dir, reference, reference_config=GPT)
+
+
+@pytest.mark.parametrize("world,options", [
+    (2, {"pp": 2, "schedule": "zb-h1"}),
+    (2, {"pp": 2, "schedule": "dualpipev"}),
+    (2, {"cp": 2, "attention": "allgather"}),
+    (2, {"cp": 2, "attention": "ulysses"}),
+    pytest.param(4, {"pp": 2, "cp": 2, "schedule": "zbv", "attention": "allgather"},
+                 marks=pytest.mark.slow),
+], ids=str)
+def test_deferred_weight_gradients_and_gathered_attention_hold_the_estimate(world, options, runs_dir,
+                                                                           reference):
+    """The zero-bubble schedules keep, from B to W, each split linear's input and output
+    gradient; all-gather attention keeps every rank's K and V and a c x s mask, Ulysses its
+    heads of all s tokens and an s x s mask: each rank's peak is ``dlab.theory.nd``'s."""
+    check(world, GPT, options, runs_dir, reference)
+
+
+@pytest.mark.parametrize("world,recompute,options", [
+    (2, {"recompute": "full", "recompute_every": 2}, {"pp": 2, "schedule": "zbv"}),
+    pytest.param(2, {"recompute": "selective"}, {"pp": 2, "schedule": "zb-h1"},
+                 marks=pytest.mark.slow),
+    pytest.param(2, {"recompute": "selective"}, {"cp": 2, "attention": "allgather"},
+                 marks=pytest.mark.slow),
+    pytest.param(2, {"recompute": "selective"}, {"cp": 2, "attention": "ulysses"},
+                 marks=pytest.mark.slow),
+], ids=str)
+def test_recomputation_under_split_backward_and_gathered_attention(world, recompute, options,
+                                                                   runs_dir, reference):
+    """A recomputed region is rebuilt in B, and the deferred W then keeps what the rebuilt
+    linears saw (recomputation saves nothing from B to W); a selectively recomputed
+    all-gather or Ulysses core rebuilds its gathered tensors and mask."""
     config = {**GPT, "model_options": {**GPT["model_options"], **recompute}}
     check(world, config, options, runs_dir, reference, reference_config=GPT)
 

@@ -47,8 +47,9 @@ and loss's on the last. The schedule holds ``estimate.pipeline.in_flight`` micro
 once, and the backward that runs at that moment may rebuild a recomputed region on top, so the
 peak is (k - 1) F + max(F, that micro-batch's backward peak) with k in flight; with more than
 one stage on a rank (interleaved) each stage has its own F, and the peak is found by walking
-the rank's action list. The zero-bubble schedules also keep weight-gradient inputs until W,
-and all-gather attention keeps the gathered K and V: neither is modelled.
+the rank's action list. The zero-bubble schedules' B leaves, until W, what the deferred
+weight gradients hold (``activations.split_block_backward``); each attention core's saved
+tensors are ``activations.layer_terms``'.
 """
 from __future__ import annotations
 
@@ -234,32 +235,35 @@ def _replicated(cfg, blocks: int, first: bool, last: bool) -> int:
     return blocks * 6 * d + (cfg.seq_len * d if first else 0) + (2 * d if last else 0)
 
 
-def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, attention: str = "ring"
+def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, precision: str = "fp32"
                 ) -> dict[str, float]:
     """Bytes of activations a rank at ``pp_rank`` holds: ``micro_batch`` (F above, summed
     over the rank's stages) and ``peak`` (what ``ActivationMeter`` measures over a step),
-    walking the schedule's action list with each stage's own F."""
-    if lay.schedule in schedules.SPLIT_BACKWARD:
-        raise ValueError(f"the {lay.schedule} schedule's deferred weight gradients are not modelled")
-    if lay.cp > 1 and attention != "ring":
-        raise ValueError(f"only ring attention's saved tensors are modelled under cp, not "
-                         f"{attention!r}'s (the all-gather keeps every rank's K and V; Ulysses and "
-                         f"USP keep their heads' gathered tensors)")
+    walking the schedule's action list with each stage's own F (and, in a zero-bubble
+    schedule, each stage's W: what its deferred weight gradients hold from B to W), under cp
+    with the layout's attention core, in ``precision``'s compute dtype."""
     sched = schedules.build(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
     ranges, mine, n_stages = _stages(cfg, lay, pp_rank)
     b = global_batch // (lay.dp * lay.microbatches)
-    one = act.activation_bytes(cfg, b, tp=lay.tp, sp=lay.sequence_parallel, cp=lay.cp)
+    one = act.activation_bytes(cfg, b, tp=lay.tp, sp=lay.sequence_parallel, cp=lay.cp,
+                               attention=lay.cp_attention,
+                               element=PRECISIONS[precision].compute.itemsize)
     whole = set(rc.recomputed_blocks(cfg.n_layer, cfg.recompute, cfg.recompute_every))
-    held, back = {}, {}  # per stage: a micro-batch's bytes after its forward; its backward's peak
+    held, back, deferred = {}, {}, {}  # per stage: a micro-batch's bytes after its forward;
+    # its backward's peak; what its W holds (zero-bubble schedules)
     for s in mine:
         kept = [one["recomputed_layer"] if i in whole else one["per_layer"] for i in ranges[s]]
         out = {"embedding": one["embedding"] if s == 0 else 0.0,
                "head": one["head"] if s == n_stages - 1 else 0.0,
                "loss": one["loss"] if s == n_stages - 1 else 0.0}
         held[s] = sum(kept) + sum(out.values())
-        back[s] = act.backward_peak(cfg.recompute, [j for j, i in enumerate(ranges[s]) if i in whole],
-                                    kept, one["terms"], one["backward_transient"],
-                                    {**out, "total": held[s]})
+        if sched.split_backward:
+            back[s], deferred[s] = _split_backward(cfg, one, ranges[s], whole, held[s], out)
+        else:
+            back[s] = act.backward_peak(cfg.recompute, [j for j, i in enumerate(ranges[s]) if i in whole],
+                                        kept, one["kept_terms"], one["backward_transient"],
+                                        {**out, "total": held[s]})
+            deferred[s] = 0.0
     now = peak = 0.0
     for a in sched.actions[pp_rank]:
         if a.kind == "forward":
@@ -267,5 +271,23 @@ def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, attention: st
             peak = max(peak, now)
         elif a.kind == "backward":
             peak = max(peak, now - held[a.stage] + back[a.stage])
-            now -= held[a.stage]
+            now += deferred[a.stage] - held[a.stage]
+        elif a.kind == "weight_grad":
+            now -= deferred[a.stage]
     return {"micro_batch": sum(held.values()), "peak": peak}
+
+
+def _split_backward(cfg, one: dict, blocks: range, whole: set, held: float, out: dict
+                    ) -> tuple[float, float]:
+    """A stage's B when its weight gradients wait for W: (its peak, what W then holds). The
+    head and the loss free first, then each block from the top (``split_block_backward``),
+    then the embedding."""
+    level = peak = held - out["head"] - out["loss"]
+    for i in reversed(blocks):
+        recompute = "full" if i in whole else ("selective" if cfg.recompute == "selective" else "none")
+        transient = one["backward_transient"] if recompute != "none" else 0.0
+        terms = one["terms"] if recompute == "full" else one["kept_terms"]
+        up, change = act.split_block_backward(terms, recompute, transient)
+        peak = max(peak, level + up)
+        level += change
+    return max(peak, held), level - out["embedding"]
