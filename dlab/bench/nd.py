@@ -92,9 +92,9 @@ def label(options: dict) -> str:
 
 def measure(run) -> dict:
     """The fullest rank's figures beside the estimate for that rank (the last step's). The
-    model state has its estimate in every precision; the bytes sent and the activations only in
-    fp32 (``estimate.nd.step_bytes`` and ``activations`` take no precision), so in a mixed
-    precision run their ``_model_MB`` are None rather than an fp32 figure beside a bf16 one."""
+    model state and the activations have their estimates in every precision; the bytes sent only
+    in fp32 (``estimate.nd.step_bytes`` takes no precision), so in a mixed precision run its
+    ``_model_MB`` is None rather than an fp32 figure beside a bf16 one."""
     cfg = RunConfig.from_dict(run.config)
     lay, mc = Layout.from_options(cfg.options, cfg.world_size), cfg.model_config()
     precision = cfg.options.get("precision", "fp32")
@@ -110,13 +110,13 @@ def measure(run) -> dict:
             "sent_model_MB": nd.step_bytes(mc, lay, cfg.batch_size, pp_rank)["total"] / MB,
             "wire_MB": None if m["comm"]["wire_bytes"] is None else m["comm"]["wire_bytes"] / MB,
             "act_MB": m["memory"]["activations"] / MB,
-            "act_model_MB": nd.activations(mc, lay, cfg.batch_size, pp_rank)["peak"] / MB})
+            "act_model_MB": nd.activations(mc, lay, cfg.batch_size, pp_rank, precision)["peak"] / MB})
     out = {}
     for key in ("state", "sent", "act"):
         top = max(per_rank, key=lambda row: row[f"{key}_MB"])
         out[f"{key}_MB"], out[f"{key}_model_MB"] = top[f"{key}_MB"], top[f"{key}_model_MB"]
     if precision != "fp32":
-        out["sent_model_MB"] = out["act_model_MB"] = None
+        out["sent_model_MB"] = None
     wire = [row["wire_MB"] for row in per_rank]
     out["wire_MB"] = None if None in wire else max(wire)  # not measurable: NCCL, not Linux
     return out

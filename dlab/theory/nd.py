@@ -242,6 +242,10 @@ def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, precision: st
     walking the schedule's action list with each stage's own F (and, in a zero-bubble
     schedule, each stage's W: what its deferred weight gradients hold from B to W), under cp
     with the layout's attention core, in ``precision``'s compute dtype."""
+    if hasattr(cfg, "n_expert"):
+        raise ValueError("a mixture of experts' saved tensors depend on the rows each micro-batch "
+                         "routed to each expert, which no estimate made before the run knows; "
+                         "read the measured peak (memory.activations) for a MoE")
     sched = schedules.build(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
     ranges, mine, n_stages = _stages(cfg, lay, pp_rank)
     b = global_batch // (lay.dp * lay.microbatches)

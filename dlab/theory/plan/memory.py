@@ -47,7 +47,8 @@ a pipeline rank keeps one send and one receive buffer, and sequence parallelism'
 materialises a layer input of s b h (16-bit) for the QKV and MLP matmuls.
 
 The lab's own GPT (``Transformer.gpt``) is counted by ``dlab.theory.nd`` instead, exactly
-(biases, norms, padding and Adam's step counters included), in the fp32 it trains in.
+(biases, norms, padding and Adam's step counters included), in the fp32 it trains in; the
+activations of the lab's MoE by the formulas above (``nd``'s depend on the step's routing).
 """
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def layer_bytes(spec, lay, micro_batch: int, seq_len: int) -> tuple[float, float
 
 def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> float:
     """Peak activation bytes on a rank at ``pp_rank`` (module docstring)."""
-    if spec.gpt is not None:
+    if spec.gpt is not None and not hasattr(spec.gpt, "n_expert"):  # a MoE's needs its routing
         cfg = dataclasses.replace(spec.gpt, seq_len=seq_len, recompute=lay.recompute)
         return nd_estimate.activations(cfg, lay.for_batch(global_batch), global_batch, pp_rank)["peak"]
     b, m = lay.micro_batch, lay.for_batch(global_batch).microbatches
