@@ -262,3 +262,20 @@ def split_block_backward(terms: dict[str, float], recompute: str, transient: flo
         level += d
         peak = max(peak, level)
     return peak, level
+
+
+def moe_mlp_bytes(cfg, micro_batch: int, tp: int, sp: bool, cp: int, element: int,
+                  assigned: int, rows: int) -> float:
+    """What a MoE layer's MLP part saves on one rank under expert parallelism
+    (``dlab.parallel.expert.dispatch``), for one forward in which the rank routed ``assigned``
+    (token, expert) pairs and its experts received ``rows`` rows; in place of the dense
+    MLP's GeLU and proj inputs (the router keeps ln2's output as fc did). Counted per storage
+    (T tokens on the rank, k, E, width h, MLP width f, e bytes an element): the router's
+    softmax T E e, the top-k indices 8 T k and the kept mask T k; the routed pairs' token and
+    sort indices 16 A, their weights A e, the answers back A h e and the weighted answers
+    A h e; each received row's index 8, its input h e, GeLU's input and output 2 f e and its
+    expert's output h e."""
+    tokens = cfg.seq_len // cp * micro_batch // (tp if sp else 1)
+    h, f, k, e = cfg.d_model, cfg.d_ff, cfg.top_k, element
+    return (tokens * cfg.n_expert * e + 9 * tokens * k + 16 * assigned
+            + assigned * e * (1 + 2 * h) + rows * (INT64 + e * (2 * h + 2 * f)))

@@ -49,7 +49,9 @@ peak is (k - 1) F + max(F, that micro-batch's backward peak) with k in flight; w
 one stage on a rank (interleaved) each stage has its own F, and the peak is found by walking
 the rank's action list. The zero-bubble schedules' B leaves, until W, what the deferred
 weight gradients hold (``activations.split_block_backward``); each attention core's saved
-tensors are ``activations.layer_terms``'.
+tensors are ``activations.layer_terms``'. A MoE layer's MLP saves what each forward's routing
+made it (``activations.moe_mlp_bytes``), so its F differs from micro-batch to micro-batch and
+the estimate reads the routing the step recorded, as ``expert_bytes`` does.
 """
 from __future__ import annotations
 
@@ -235,28 +237,32 @@ def _replicated(cfg, blocks: int, first: bool, last: bool) -> int:
     return blocks * 6 * d + (cfg.seq_len * d if first else 0) + (2 * d if last else 0)
 
 
-def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, precision: str = "fp32"
-                ) -> dict[str, float]:
+def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, precision: str = "fp32",
+                routing: list[list] | None = None) -> dict[str, float]:
     """Bytes of activations a rank at ``pp_rank`` holds: ``micro_batch`` (F above, summed
     over the rank's stages) and ``peak`` (what ``ActivationMeter`` measures over a step),
     walking the schedule's action list with each stage's own F (and, in a zero-bubble
     schedule, each stage's W: what its deferred weight gradients hold from B to W), under cp
-    with the layout's attention core, in ``precision``'s compute dtype."""
-    if hasattr(cfg, "n_expert"):
-        raise ValueError("a mixture of experts' saved tensors depend on the rows each micro-batch "
-                         "routed to each expert, which no estimate made before the run knows; "
-                         "read the measured peak (memory.activations) for a MoE")
+    with the layout's attention core, in ``precision``'s compute dtype. A MoE's MLP saves what
+    the routing of each forward made (``activations.moe_mlp_bytes``): ``routing`` is the step's
+    ``expert_rows["calls"]`` as ``nd`` records them, per block the (assignments, rows) of each
+    forward of its layer, in the order the rank ran them."""
+    moe = hasattr(cfg, "n_expert")
     sched = schedules.build(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages)
+    if moe:
+        _moe_problems(cfg, lay, sched, routing)
     ranges, mine, n_stages = _stages(cfg, lay, pp_rank)
     b = global_batch // (lay.dp * lay.microbatches)
+    e = PRECISIONS[precision].compute.itemsize
     one = act.activation_bytes(cfg, b, tp=lay.tp, sp=lay.sequence_parallel, cp=lay.cp,
-                               attention=lay.cp_attention,
-                               element=PRECISIONS[precision].compute.itemsize)
+                               attention=lay.cp_attention, element=e)
     whole = set(rc.recomputed_blocks(cfg.n_layer, cfg.recompute, cfg.recompute_every))
     held, back, deferred = {}, {}, {}  # per stage: a micro-batch's bytes after its forward;
     # its backward's peak; what its W holds (zero-bubble schedules)
+    dense_mlp = one["terms"]["gelu.input"] + one["terms"]["proj.input"] if moe else 0.0
     for s in mine:
-        kept = [one["recomputed_layer"] if i in whole else one["per_layer"] for i in ranges[s]]
+        kept = [one["recomputed_layer"] if i in whole else one["per_layer"] - dense_mlp
+                for i in ranges[s]]
         out = {"embedding": one["embedding"] if s == 0 else 0.0,
                "head": one["head"] if s == n_stages - 1 else 0.0,
                "loss": one["loss"] if s == n_stages - 1 else 0.0}
@@ -269,16 +275,40 @@ def activations(cfg, lay: Layout, global_batch: int, pp_rank: int, precision: st
                                         {**out, "total": held[s]})
             deferred[s] = 0.0
     now = peak = 0.0
+    added, forwards = {}, dict.fromkeys(mine, 0)
     for a in sched.actions[pp_rank]:
         if a.kind == "forward":
-            now += held[a.stage]
+            extra = sum(act.moe_mlp_bytes(cfg, b, lay.tp, lay.sequence_parallel, lay.cp, e,
+                                          *routing[i][forwards[a.stage]])
+                        for i in ranges[a.stage]) if moe else 0.0
+            forwards[a.stage] += 1
+            added[a.stage, a.mb] = held[a.stage] + extra
+            now += added[a.stage, a.mb]
             peak = max(peak, now)
         elif a.kind == "backward":
-            peak = max(peak, now - held[a.stage] + back[a.stage])
-            now += deferred[a.stage] - held[a.stage]
+            # the backward's peak stands above what it found as its stage's F does (a MoE's
+            # routed part only frees)
+            peak = max(peak, now + back[a.stage] - held[a.stage])
+            now += deferred[a.stage] - added.pop((a.stage, a.mb))
         elif a.kind == "weight_grad":
             now -= deferred[a.stage]
     return {"micro_batch": sum(held.values()), "peak": peak}
+
+
+def _moe_problems(cfg, lay: Layout, sched, routing) -> None:
+    """What the MoE count does not cover, refused with what to change."""
+    if routing is None:
+        raise ValueError("a mixture of experts' saved tensors depend on the rows each forward "
+                         "routed: pass routing= the step's expert_rows['calls']")
+    unmodelled = [name for name, on in (
+        ("ep=1 (the experts on every rank, MoE.combine)", lay.ep == 1),
+        (f"the {lay.schedule} schedule's split expert linears", sched.split_backward),
+        (f"recompute={cfg.recompute!r}", cfg.recompute != "none"),
+        ("the balancing losses", bool(cfg.aux_loss or cfg.z_loss))) if on]
+    if unmodelled:
+        raise ValueError(f"a MoE's activations are counted under expert parallelism without "
+                         f"recomputation, split backward or balancing losses; not with "
+                         f"{', '.join(unmodelled)}: read the measured memory.activations")
 
 
 def _split_backward(cfg, one: dict, blocks: range, whole: set, held: float, out: dict

@@ -65,6 +65,9 @@ class ExpertParallelCombine:
         self.comm, self.local, self.timeline = comm, local, timeline
         self.per_rank = n_expert // comm.size
         self.rows_sent = self.rows_received = 0
+        #: per call (a forward of its layer): (assignments this rank routed, rows its experts
+        #: received), what the layer's saved tensors depend on (``estimate.nd.activations``)
+        self.calls: list[tuple[int, int]] = []
 
     def __call__(self, flat, weights, experts) -> torch.Tensor:
         comm, n = self.comm, self.comm.size
@@ -80,6 +83,7 @@ class ExpertParallelCombine:
         in_splits, out_splits = send.tolist(), recv.tolist()
         self.rows_sent += sum(in_splits) - in_splits[comm.rank]
         self.rows_received += sum(out_splits) - out_splits[comm.rank]
+        self.calls.append((sum(in_splits), sum(out_splits)))
 
         rows = all_to_all(flat[token], comm, out_splits, in_splits)
         row_expert = torch.empty(sum(out_splits), dtype=expert.dtype, device=expert.device)

@@ -343,13 +343,17 @@ class ND(Strategy):
     def step_extras(self):
         """``expert_rows``: the rows this rank's routing sent to and received from other expert-
         parallel ranks in the step (``estimate.nd.expert_bytes`` predicts the all-to-all bytes
-        from them)."""
+        from them), and ``calls``: per block, per forward of its MoE layer, the assignments the
+        rank routed and the rows its experts received (``estimate.nd.activations``)."""
         if self.expert_comm is None:
             return {}
         sent = sum(c.rows_sent for c in self.combines)
         received = sum(c.rows_received for c in self.combines)
-        step = {"sent": sent - self.rows_seen[0], "received": received - self.rows_seen[1]}
+        step = {"sent": sent - self.rows_seen[0], "received": received - self.rows_seen[1],
+                "calls": [c.calls for c in self.combines]}
         self.rows_seen = (sent, received)
+        for c in self.combines:
+            c.calls = []
         return {"expert_rows": step}
 
     def memory(self):
