@@ -25,8 +25,8 @@ compute element, g per gradient element (``dlab.core.precision``):
    carries two gradient hooks, block i-1's "gather me for my backward" (registered when
    block i-1's forward ended) and block i's "free me, my backward is done" (registered when
    block i's forward began); hooks run in registration order, so block i-1 is gathered
-   before block i is freed. Measured: ``gathered_peak`` = R + 2U exactly
-   (tests/test_nd_buffers.py).
+   before block i is freed. Measured: ``gathered_peak`` = R + 2U exactly, and R + U where
+   every stage has one block (interleaved, 4 blocks on 4 stages; tests/test_nd_buffers.py).
 3. After it: the sequence-parallel all-reduce's flat message S, with F and R still held.
 4. The data reduction: ZeRO 0 all-reduces one flat message D (freed once copied back);
    ZeRO 2-3 free each unit's flat gradient, and ZeRO 3 the root, after its reduce-scatter.
@@ -36,8 +36,13 @@ compute element, g per gradient element (``dlab.core.precision``):
     comm_buffers = max( F + R + max over the schedule of (r A + blocks gathered x U),
                         F + R + S,  D,  M )
 
+and its parts, each kind's own peak: ``recv_peak`` min(k + 1, receives) A (as
+``theory.pipeline.recv_buffer_bytes``), ``gathered_peak`` R + 2U (R + U), ``reduce_peak``
+max(F + S, D), ``master_grad_peak`` M.
+
 Stage 1's flat gradients stay allocated between steps, so they are ``gradients``, not a
-transient buffer. Left out: what the collectives hold inside them (Gloo's copies, the
+transient buffer; stages 1-2 all-gather the updated replica from the owned chunk in place, with
+no send copy. Left out: what the collectives hold inside them (Gloo's copies, the
 staging buffers of dlab's ring reduce-scatter), the tensor- and context-parallel layers'
 own buffers (all-gathered activations, K/V blocks in flight) and a MoE's all-to-all rows and
 expert units (``comm_buffers`` refuses a MoE); sent activations, which are the stages'

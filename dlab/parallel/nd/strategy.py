@@ -38,13 +38,10 @@ Each rank's loss is the mean over its tokens / m; the data ranks hold equally ma
 averaging the summed gradients over them gives the gradient of the global mean loss, which is
 what makes every layout train like ``single`` (tests/test_nd_parity.py).
 
-Memory by category as every strategy reports it; ``comm_buffers`` is the most bytes held at
-once during the step by the rank's transient buffers, one ``Transient`` shared by the
-executor and the shardings: the pipeline's posted receives, ZeRO-3's gathered units, the flat
-gradients of stages 2-3, the flat all-reduce messages (stage 0, sequence parallelism) and the
-optimizer's fp32 gradient copies; ``recv_peak``, ``gathered_peak``, ``reduce_peak`` and
-``master_grad_peak`` (extra keys) are each part's own peak. ``dlab.theory.nd_buffers`` gives
-them from the layout (tests/test_nd_buffers.py).
+``comm_buffers``: the most bytes the rank's transient buffers hold at once in the step, counted
+by one ``Transient`` the executor (posted receives) and the shardings (``sharding``'s list)
+share; ``recv_peak``, ``gathered_peak``, ``reduce_peak`` and ``master_grad_peak`` are each
+part's own peak, all derived in ``dlab.theory.nd_buffers``.
 """
 from __future__ import annotations
 
