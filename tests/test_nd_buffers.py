@@ -32,6 +32,8 @@ CASES = [
     (4, SHORT, {"pp": 2, "dp": 2, "zero": 3}),
     (4, SHORT, {"pp": 2, "dp": 2, "zero": 2}),
     (4, SHORT, {"pp": 2, "dp": 2, "zero": 1, "precision": "bf16"}),
+    # slow: the default cases above run the same allocation order (the same DataSharding and
+    # executor code); these add the other stages, schedules, precisions and sp's flat message
     *(pytest.param(*case, marks=pytest.mark.slow) for case in [
         (2, SHORT, {"dp": 2}),
         (2, SHORT, {"dp": 2, "zero": 1}),
