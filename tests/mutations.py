@@ -273,6 +273,16 @@ MUTATIONS = [
         ("tests/test_comm_time.py::test_a_wait_inside_a_compute_span_is_exposed",),
     ),
     Mutation(
+        "nd-flat-grads-uncounted",
+        "nd, ZeRO 2-3: the flat gradient buffers allocated for the step are not registered as "
+        "transient, so comm_buffers leaves them out",
+        "dlab/parallel/nd/sharding.py",
+        (("                if self.stage >= 2:\n"
+          "                    self.transient.held(\"reduce\", u.flat_grad)\n", ""),),
+        ("tests/test_nd_buffers.py::test_comm_buffers_are_the_formula_on_every_rank_and_step"
+         "[2-dp2-zero3]",),
+    ),
+    Mutation(
         "zero3-judge-rank0-only",
         "the zero3_forward checker looks at rank 0's gathered parameters only",
         "dlab/exercises/data_parallel.py",

@@ -70,7 +70,7 @@ def check_formulas(run, strategy: str, n: int, mixed: bool = False, offload: boo
                 got["optimizer"] = got["offloaded"]
             assert {k: got[k] for k in MODEL_STATE} == want, (r, m["step"])
             assert m["comm"]["sent_bytes"] == pytest.approx(moved, rel=1e-12), (r, m["step"])
-            # counted from the buffers' storages while the step ran (sharded.Transient)
+            # counted from the buffers' storages while the step ran (core.metrics.Transient)
             assert {k: got[k] for k in transient} == transient, (r, m["step"])
 
 

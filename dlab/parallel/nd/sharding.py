@@ -29,6 +29,13 @@ owned chunk, then the all-gather of stages 1-2) from them. Gradients are accumul
 reduced in the precision's gradient dtype: bf16 (``bf16``, ``fp16``) in the flat buffers the
 ``.grad`` view, fp32 (``bf16-fp32-grads``) in flat buffers that ``p.main_grad`` views.
 Offload stays the single-dimension ``zero*`` strategies' lesson.
+
+Communication buffers: every buffer that lives only for the step is registered with the rank's
+``Transient`` (shared with the pipeline executor's receives, so ``comm_buffers`` is one peak of
+everything at once; ``dlab.theory.nd_buffers`` derives it): stage 3's gathered units
+(``unit``), stages 2-3's flat gradients and stage 0's flat all-reduce message (``reduce``), the
+fp32 gradient copies handed to the optimizer where gradients are 2-byte (``master_grad``).
+Stage 1's flat gradients are kept between steps: they are ``gradients``, not transient.
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlab.comm.instrumented import Comm
-from dlab.core.metrics import storage_bytes
+from dlab.core.metrics import Transient, storage_bytes
 from dlab.core.precision import PRECISIONS, Precision
 from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.mixed import MainGrads, fp32_master, grad_dtype, refresh
@@ -68,11 +75,13 @@ class DataSharding:
     """ZeRO stage ``stage`` over ``comm`` (the data ranks: dp x cp) for the parameters of
     ``groups``. ``optimizer_params`` are what the optimizer steps; ``begin_step``, then the
     schedule, then ``reduce``, ``hand_grads``, the optimizer's step (one for every
-    sharding of the rank) and ``after_step``."""
+    sharding of the rank) and ``after_step``. Transient buffers are counted in ``transient``."""
 
     def __init__(self, stage: int, groups: list[Group], comm: Comm, device: torch.device,
-                 timeline, divide_by: int | None = None, precision: Precision = PRECISIONS["fp32"]):
+                 timeline, transient: Transient, divide_by: int | None = None,
+                 precision: Precision = PRECISIONS["fp32"]):
         self.stage, self.comm, self.n, self.tl = stage, comm, comm.size, timeline
+        self.transient = transient
         self.prec, self.mixed, self.grad_dtype = precision, precision.mixed, grad_dtype(precision)
         #: fp32 accumulation beside bf16 parameters (``bf16-fp32-grads``)
         self.main = self.mixed and self.grad_dtype != precision.compute
@@ -121,6 +130,7 @@ class DataSharding:
     def _gather(self, u: FlatUnit) -> None:
         if not u.gathered:
             u.allocate()
+            self.transient.held("unit", u.flat)
             with self.tl.span("all_gather", unit=u.name):
                 self.comm.all_gather_into_tensor(u.flat, u.shard)
 
@@ -138,7 +148,8 @@ class DataSharding:
     # --- the step ----------------------------------------------------------------------------
     def begin_step(self, optimizer) -> None:
         """Zero the gradients: fresh flat buffers the ``.grad`` of each unit view (kept from
-        the last step in stage 1); stage 3 gathers its root unit for the whole step."""
+        the last step in stage 1, allocated for the step and counted as transient in stages
+        2-3); stage 3 gathers its root unit for the whole step."""
         if not self.units:
             optimizer.zero_grad(set_to_none=True)
             for p in self.params:
@@ -149,6 +160,8 @@ class DataSharding:
         for u in self.units:
             if u.flat_grad is None:
                 u.flat_grad = torch.zeros(u.padded, dtype=self.grad_dtype, device=u.grad_shard.device)
+                if self.stage >= 2:
+                    self.transient.held("reduce", u.flat_grad)
             else:
                 u.flat_grad.zero_()
             if self.main:
@@ -165,7 +178,7 @@ class DataSharding:
         self.fold()
         if not self.units:
             with self.tl.span("all_reduce", what="dp"):
-                reduce_gradients(self.params, self.comm, self.divide_by)
+                reduce_gradients(self.params, self.comm, self.divide_by, self.transient)
             return
         for u in self.units:
             with self.tl.span("reduce_scatter", unit=u.name):
@@ -175,6 +188,7 @@ class DataSharding:
                     p.grad = None
                     if self.main:
                         p.main_grad = None
+                self.transient.free(u.flat_grad)  # not left to Gloo's last reference
                 u.flat_grad = None
             if self.stage == 3 and u.module is None:
                 u.free()
@@ -190,12 +204,18 @@ class DataSharding:
 
     def hand_grads(self) -> None:
         """Give each master its reduced gradient (the optimizer steps next): the reduced shard
-        itself where it is fp32, else an fp32 copy (``.float()`` copies only then)."""
+        itself where it is fp32, else an fp32 copy, a transient buffer until ``after_step``
+        drops it."""
         for u in self.units:
-            u.master.grad = u.grad_shard.float()
+            u.master.grad = self._fp32(u.grad_shard)
         if not self.units and self.mixed:
             for p, m in zip(self.params, self.masters, strict=True):
-                m.grad = self.grad(p).float()
+                m.grad = self._fp32(self.grad(p))
+
+    def _fp32(self, grad: torch.Tensor) -> torch.Tensor:
+        if grad.dtype == torch.float32:
+            return grad
+        return self.transient.held("master_grad", grad.float())
 
     def after_step(self) -> None:
         """Refresh the compute copies from the updated masters, then (stages 1-2) all-gather

@@ -37,6 +37,11 @@ One step, on every rank, is built from the single-dimension strategies' parts:
 Each rank's loss is the mean over its tokens / m; the data ranks hold equally many tokens, so
 averaging the summed gradients over them gives the gradient of the global mean loss, which is
 what makes every layout train like ``single`` (tests/test_nd_parity.py).
+
+``comm_buffers``: the most bytes the rank's transient buffers hold at once in the step, counted
+by one ``Transient`` the executor (posted receives) and the shardings (``sharding``'s list)
+share; ``recv_peak``, ``gathered_peak``, ``reduce_peak`` and ``master_grad_peak`` are each
+part's own peak, all derived in ``dlab.theory.nd_buffers``.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from dlab.comm.instrumented import reduce_scatter_option
-from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.core.metrics import ActivationMeter, Transient, optimizer_tensors, storage_bytes
 from dlab.core.precision import LossScaler
 from dlab.layout import SCHEDULES, Layout, ranks, tokens
 from dlab.layout.stages import partition
@@ -179,10 +184,13 @@ class ND(Strategy):
         groups = stage_groups(self.stages.values())
         expert_groups = self._expert_groups(groups)
         self.prec = prec = precision_of(cfg)
+        # one count of the rank's transient buffers, so comm_buffers is one peak of them all
+        self.transient = Transient()
         self.dense = DataSharding(lay.zero, groups, self.data_comm, ctx.device, ctx.timeline,
-                                  precision=prec)
+                                  self.transient, precision=prec)
         self.experts = (DataSharding(lay.zero, expert_groups, self.expert_data_comm, ctx.device,
-                                     ctx.timeline, divide_by=self.data_comm.size, precision=prec)
+                                     ctx.timeline, self.transient, divide_by=self.data_comm.size,
+                                     precision=prec)
                         if expert_groups else None)
         self.shardings = [s for s in (self.dense, self.experts) if s is not None]
         self.params = [p for s in self.shardings for p in s.params]
@@ -197,7 +205,7 @@ class ND(Strategy):
             for st in self.stages.values():
                 split_linears(st, self.store)
         self.executor = Executor(self.sched, self.pp_rank, self.stages, mesh.comm("pp"),
-                                 ctx.timeline, self.meter, self.store, ctx.device,
+                                 ctx.timeline, self.meter, self.store, ctx.device, self.transient,
                                  recv_ahead=self.recv_ahead(cfg))
         self.executor.act_dtype = prec.compute
         self.scaler = LossScaler() if prec.loss_scaled else None
@@ -303,6 +311,7 @@ class ND(Strategy):
             cols = self.positions.cpu()
             x, y = x[:, cols], y[:, cols]
         x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        self.transient.reset_peak()
         for s in self.shardings:
             s.begin_step(self.optimizer)
         self.meter.reset_peak()
@@ -316,7 +325,8 @@ class ND(Strategy):
                 self.tied_comm.all_reduce(self.dense.grad(self.stages_param("embed.tok.weight")))
         if self.sp_params:
             with tl.span("all_reduce", what="sequence_parallel"):
-                reduce_gradients(self.sp_params, self.mesh.comm("tp"), divide_by=1)
+                reduce_gradients(self.sp_params, self.mesh.comm("tp"), divide_by=1,
+                                 transient=self.transient)
         for s in self.shardings:
             s.reduce()
             s.hand_grads()
@@ -363,7 +373,12 @@ class ND(Strategy):
             for k, v in s.memory().items():
                 mem[k] += v
         mem["activations"] = self.meter.peak
-        mem["comm_buffers"] = self.executor.posted_peak
+        # every transient buffer at once (dlab.theory.nd_buffers), then its parts on their own
+        mem["comm_buffers"] = self.transient.peak
+        mem["recv_peak"] = self.executor.posted_peak
+        for key, kind in (("gathered_peak", "unit"), ("reduce_peak", "reduce"),
+                          ("master_grad_peak", "master_grad")):
+            mem[key] = self.transient.kind_peak.get(kind, 0)
         return mem
 
     def full_state_dict(self):

@@ -24,7 +24,9 @@ for what is still missing (MPI's "post receives early"; Megatron-LM overlaps its
 the same way). It still *waits* at the same point of the list, so ``validate``'s no-deadlock
 proof holds unchanged; the cost is k extra boundary buffers (``strategy.py`` says which k):
 at a receive the rank holds its own buffer and the k posted after it, k + 1 in all where
-posting at the action holds one (``posted_peak`` counts them from their storages).
+posting at the action holds one (``posted_peak`` counts them from their storages: each is
+registered with the rank's ``Transient`` when posted and leaves it, storage untouched, once it
+has been waited for and handed to its stage as an input or an output gradient).
 Not on NCCL: there a posted receive occupies the stream that the next send to the same peer
 must also use, and two ranks that each post a receive before their send wait on each other
 forever.
@@ -42,7 +44,7 @@ import torch.distributed as dist
 
 from dlab.comm.instrumented import Comm, nbytes
 from dlab.core.events import Timeline
-from dlab.core.metrics import ActivationMeter, storage_bytes
+from dlab.core.metrics import ActivationMeter, Transient
 from dlab.layout.schedules import Schedule
 from dlab.parallel.pipeline.split import StageModule
 from dlab.parallel.pipeline.weight_grad import WeightGradStore
@@ -55,20 +57,27 @@ def tag(sender: int, mb: int, receiver: int, n_stages: int) -> int:
 class Executor:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageModule], comm: Comm,
                  timeline: Timeline, meter: ActivationMeter, store: WeightGradStore | None,
-                 device: torch.device, recv_ahead: int = 0):
+                 device: torch.device, transient: Transient, recv_ahead: int = 0):
         """``rank`` is this rank's position in its pipeline; ``comm`` counts traffic on the
-        pipeline's process group (whose rank i holds pipeline position i); ``recv_ahead``
+        pipeline's process group (whose rank i holds pipeline position i); ``transient`` counts
+        the posted receive buffers (kind ``recv``), shared with whatever else the rank holds
+        for communication, and reset by the strategy at each step's start; ``recv_ahead``
         receives are kept posted before the actions that need them (0: post at the action)."""
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.comm, self.tl, self.meter, self.store, self.device = comm, timeline, meter, store, device
+        self.transient = transient
         self.last = schedule.n_stages - 1
         self.recv_ahead = recv_ahead
         #: the dtype of the activations and gradients that travel (the compute dtype)
         self.act_dtype = torch.float32
         self.recvs = [a for a in schedule.actions[rank] if a.kind == "recv"]
-        #: the most bytes of receive buffers posted and not yet handed to a stage, at once,
-        #: in the last step (read from their storages each time one is posted)
-        self.posted_peak = 0
+
+    @property
+    def posted_peak(self) -> int:
+        """The most bytes of receive buffers posted and not yet handed to a stage, at once,
+        since the transient's peak was reset (read from their storages each time one is
+        posted)."""
+        return self.transient.kind_peak.get("recv", 0)
 
     def _local(self, stage: int) -> bool:
         return 0 <= stage <= self.last and self.schedule.stage_rank[stage] == self.rank
@@ -76,15 +85,11 @@ class Executor:
     def _post_recv(self, a, act_shape: tuple[int, ...]):
         """Post the receive of action ``a``; returns (work, buffer)."""
         sched = self.schedule
-        buf = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
+        buf = self.transient.held("recv", torch.empty(act_shape, dtype=self.act_dtype, device=self.device))
         src = dist.get_global_rank(self.comm.group, sched.stage_rank[a.peer])
         self.comm.record("recv", nbytes(buf), 0, nbytes(buf))
         work = dist.irecv(buf, src, group=self.comm.group, tag=tag(a.peer, a.mb, a.stage, sched.n_stages))
         return work, buf
-
-    def _count_posted(self, posted: list) -> None:
-        held = storage_bytes(buf for entry in posted if entry is not None for buf in entry[1:])
-        self.posted_peak = max(self.posted_peak, held)
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor],
             act_shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -97,8 +102,6 @@ class Executor:
         sends: list = []
         # receives in list order; posted[j] is the j-th one's (work, buffer) once posted
         posted = [self._post_recv(r, act_shape) for r in self.recvs[: self.recv_ahead]]
-        self.posted_peak = 0
-        self._count_posted(posted)
         done = 0
         loss_sum = None
         for a in sched.actions[self.rank]:
@@ -141,11 +144,11 @@ class Executor:
                 else:  # recv: this one and the next recv_ahead are posted, this one waited for
                     while len(posted) < min(done + 1 + self.recv_ahead, len(self.recvs)):
                         posted.append(self._post_recv(self.recvs[len(posted)], act_shape))
-                    self._count_posted(posted)
                     work, buf = posted[done]
                     posted[done] = None
                     done += 1
                     work.wait()
+                    self.transient.drop(buf)  # the stage's input or output gradient from now on
                     inbox[(s, i, "act" if a.peer < s else "grad")] = buf
         for work, _ in sends:
             work.wait()

@@ -83,6 +83,14 @@ class Pipeline(ND):
                     f"pp x dp x tp; pick dp x tp among the divisors of {config.world_size}"]
         return []
 
+    def memory(self):
+        """``nd``'s, except ``comm_buffers``: the lesson's communication buffers are the
+        receives posted ahead (``recv_peak``, what ``theory.pipeline.recv_buffer_bytes``
+        gives); ``nd`` counts its data reduction's buffers at once with them."""
+        mem = super().memory()
+        mem["comm_buffers"] = mem["recv_peak"]
+        return mem
+
 
 @register("pipeline-naive")
 class PipelineNaive(Pipeline):

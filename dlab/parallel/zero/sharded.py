@@ -36,15 +36,13 @@ elements' bytes included in the model-state categories.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dlab.comm.host import host_copies_done, pinned, to_host
 from dlab.comm.instrumented import reduce_scatter_option
-from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.core.metrics import ActivationMeter, Transient, optimizer_tensors, storage_bytes
 from dlab.models.data import shard
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy, data_parallel_problems
 from dlab.parallel.zero.flat import FlatUnit, build_units
@@ -55,55 +53,6 @@ BOOL_OPTIONS = {
     "mixed_precision": Option("bool", "compute in bf16 with fp32 master weights", default=False),
     "offload_optimizer": Option("bool", "keep the optimizer state in CPU memory", default=False),
 }
-
-
-class Transient:
-    """Buffers that live only during a step, counted from their storages rather than booked.
-
-    Each buffer is registered once it is allocated (``held(kind, tensor)``; kinds: ``unit`` a
-    gathered unit, ``reduce`` a flattened gradient being reduced, ``send`` an all-gather's send
-    copy, ``master_grad`` the optimizer's fp32 gradient copy) and only weakly referenced, so it
-    counts exactly as long as its storage exists and has bytes, whoever keeps it. A buffer a
-    collective used is returned with ``free`` (its storage resized to 0, as FSDP frees a
-    gathered unit) as soon as the collective is waited for: Gloo's worker thread lets go of
-    its own reference a moment after the wait returns, so a buffer left to its last reference
-    would count or not by a race. The bytes alive are read at every registration; they grow
-    only when a buffer is allocated, so the largest read is the step's peak, in all and per
-    kind (each storage counted once)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[int, tuple[str, weakref.ref]] = {}
-        self.peak = 0
-        self.kind_peak: dict[str, int] = {}
-
-    def held(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
-        self.buffers[id(tensor)] = (kind, weakref.ref(tensor))
-        self.sample()
-        return tensor
-
-    @staticmethod
-    def free(tensor: torch.Tensor) -> None:
-        tensor.untyped_storage().resize_(0)
-
-    def alive(self) -> dict[str, list[torch.Tensor]]:
-        by_kind: dict[str, list[torch.Tensor]] = {}
-        for key, (kind, ref) in list(self.buffers.items()):
-            t = ref()
-            if t is None:
-                del self.buffers[key]
-            else:
-                by_kind.setdefault(kind, []).append(t)
-        return by_kind
-
-    def sample(self) -> None:
-        by_kind = self.alive()
-        self.peak = max(self.peak, storage_bytes(t for ts in by_kind.values() for t in ts))
-        for kind, ts in by_kind.items():
-            self.kind_peak[kind] = max(self.kind_peak.get(kind, 0), storage_bytes(ts))
-
-    def reset_peak(self) -> None:
-        self.peak, self.kind_peak = 0, {}
-        self.sample()
 
 
 class Pending:
