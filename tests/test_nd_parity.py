@@ -147,10 +147,10 @@ def test_recomputation_changes_nothing_but_memory_and_bytes(world, recompute, op
 
 
 @pytest.mark.parametrize("world,options", [
-    (2, {"pp": 2, "schedule": "zb-h1"}),
-    (2, {"pp": 2, "schedule": "dualpipev"}),
+    pytest.param(2, {"pp": 2, "schedule": "zb-h1"}, marks=pytest.mark.slow),
+    (2, {"pp": 2, "schedule": "dualpipev"}),  # the V and its deferred W's: zb-h1's walk and more
     (2, {"cp": 2, "attention": "allgather"}),
-    (2, {"cp": 2, "attention": "ulysses"}),
+    pytest.param(2, {"cp": 2, "attention": "ulysses"}, marks=pytest.mark.slow),
     pytest.param(4, {"pp": 2, "cp": 2, "schedule": "zbv", "attention": "allgather"},
                  marks=pytest.mark.slow),
 ], ids=str)

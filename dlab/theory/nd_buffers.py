@@ -95,7 +95,8 @@ def comm_buffers(cfg, lay: Layout, pp_rank: int, global_batch: int, precision: s
     flat gradients and flat messages), ``master_grad_peak`` (M). ``recv_ahead`` defaults to
     Gloo's 2v (``ND.recv_ahead``)."""
     if hasattr(cfg, "n_expert"):
-        raise ValueError("a MoE's expert units and all-to-all buffers are not modelled")
+        raise ValueError("a MoE's expert units and all-to-all buffers are not modelled: read the "
+                         "measured memory.comm_buffers for a MoE")
     prec = PRECISIONS[precision]
     e, g = prec.weight_bytes, prec.grad_bytes
     k = 2 * lay.virtual_stages if recv_ahead is None else recv_ahead
