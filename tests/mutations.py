@@ -290,6 +290,47 @@ MUTATIONS = [
           "    for r, (_, log) in enumerate(answers[:1]):\n        one ="),),
         ("tests/test_exercises.py::test_the_checker_looks_at_every_rank[zero3_forward]",),
     ),
+    Mutation(
+        "wire-mixed-booked-to-first",
+        "the wire meter books a period that mixes ops on one Comm to its first op",
+        "dlab/comm/wire.py",
+        (("        if len({(id(t.comm), t.op) for t in ops}) > 1:\n",
+          "        if len({id(t.comm) for t in ops}) > 1:\n"),),
+        ("tests/test_wire_bytes.py::test_a_mixed_busy_period_is_booked_whole_and_apart",),
+    ),
+    Mutation(
+        "busy-nested-twice",
+        "the span union adds a span nested inside another to it again",
+        "dlab/core/events.py",
+        (("            out[-1][1] = max(out[-1][1], e)\n",
+          "            out[-1][1] = e if e > out[-1][1] else out[-1][1] + e - s\n"),),
+        ("tests/test_comm_time.py::test_a_span_nested_in_another_counts_once",
+         "tests/test_comm_time.py::test_random_spans_nested_or_overlapping_count_as_the_cells_they_cover"),
+    ),
+    Mutation(
+        "ddp-judge-buckets-unchecked",
+        "the bucketed_ddp checker compares the total bytes all-reduced, not each bucket",
+        "dlab/exercises/data_parallel.py",
+        (("        if sizes != want:\n", "        if sum(sizes) != sum(want):\n"),),
+        ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way"
+         "[bucketed_ddp-0]",),
+    ),
+    Mutation(
+        "cp-allgather-mask-s-s",
+        "the activation estimate sizes all-gather attention's mask s x s, not c x s",
+        "dlab/theory/activations.py",
+        (("\"core.mask\": \"c s\"", "\"core.mask\": \"s s\""),),
+        ("tests/test_nd_parity.py::test_deferred_weight_gradients_and_gathered_attention_hold_the_estimate"
+         "[2-{'cp': 2, 'attention': 'allgather'}]",),
+    ),
+    Mutation(
+        "nd-buffers-two-blocks",
+        "the transient-buffer formula always counts two gathered ZeRO-3 blocks in backward",
+        "dlab/theory/nd_buffers.py",
+        (("    at_once = 2 if max(blocks.values()) >= 2 else 1\n", "    at_once = 2\n"),),
+        ("tests/test_nd_buffers.py::test_comm_buffers_are_the_formula_on_every_rank_and_step"
+         "[4-pp2-dp2-zero3-scheduleinterleaved]",),
+    ),
 ]
 
 

@@ -31,6 +31,51 @@ def test_spans_are_clipped_to_the_step():
     assert comm_times([(-2, 1), (4, 9)], [], [], (0, 5)) == pytest.approx((2.0, 2.0))
 
 
+def _by_the_unit(comm, blocked, compute, window) -> tuple[int, int]:
+    """The definition read off one-unit cells, apart from ``core.events``: a cell of the window
+    is busy when some collective or wait covers it, and exposed when it is busy and no
+    computation covers it except where the rank is blocked."""
+    def on(spans, t):
+        return any(s <= t < e for s, e in spans)
+    busy = exposed = 0
+    for t in range(*window):
+        if on(comm, t) or on(blocked, t):
+            busy += 1
+            exposed += not on(compute, t) or on(blocked, t)
+    return exposed, busy
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_spans_nested_or_overlapping_count_as_the_cells_they_cover(seed):
+    """Spans nested in others, repeated, touching or crossing the window's ends: each covered
+    second counts once, whatever the order the spans come in."""
+    import random
+
+    rng = random.Random(seed)
+
+    def spans(n):
+        out = []
+        for _ in range(n):
+            s = rng.randrange(-3, 22)
+            out.append((s, s + rng.randrange(1, 9)))
+        if out and rng.random() < 0.5:  # one span nested in another, as a wait inside its op
+            s, e = out[0]
+            out.append((s + (e - s) // 3, e - (e - s) // 3 or e))
+        return out
+
+    comm, blocked, compute = (spans(rng.randrange(0, k)) for k in (6, 3, 4))
+    window = (0, 20)
+    assert comm_times(comm, blocked, compute, window) == pytest.approx(
+        _by_the_unit(comm, blocked, compute, window)), (comm, blocked, compute)
+
+
+def test_a_span_nested_in_another_counts_once():
+    # a collective 2-3 inside one 0-6, and a wait 4-5 inside that one: 6 s busy; compute 0-4
+    # covers 0-4 but for nothing blocked, so 4-6 is exposed
+    assert comm_times([(0, 6), (2, 3)], [(4, 5)], [(0, 4)], (0, 10)) == pytest.approx((2.0, 6.0))
+    assert comm_times([(2, 3), (0, 6)], [], [], (0, 10)) == pytest.approx((6.0, 6.0))
+
+
 def test_ddp_with_overlapping_buckets_never_reports_more_than_the_step(runs_dir):
     """Eight or so buckets per step on a 4-layer model, all-reduced while backward runs: in each
     record exposed <= busy <= the sum of the ops' spans, and busy <= the step; the summary shows

@@ -200,6 +200,15 @@ PROPERTY_MISTAKES = {  # exercise: [(wrong answer, what the report must say), ..
          "    dist.all_to_all_single(row_expert, expert, recv.tolist(), send.tolist())\n"
          "    return rows, row_expert\n", "experts of the rows received: element"),
     ],
+    "bucketed_ddp": [
+        ("def bucketed_ddp(model, bucket_cap_bytes, world_size):\n"  # a bucket per tensor:
+         "    works = []\n"  # the right mean, async, overlapped, but eight messages, not four
+         "    def hook(p):\n        works.append((dist.all_reduce(p.grad, async_op=True), p))\n"
+         "    for p in model.parameters():\n        p.register_post_accumulate_grad_hook(hook)\n"
+         "    def finish():\n        for w, p in works:\n            w.wait()\n"
+         "            p.grad /= world_size\n        works.clear()\n"
+         "    return finish\n", "rank 0 all-reduced 8 messages of"),
+    ],
 }
 
 

@@ -18,7 +18,7 @@ a step, ``dlab.comm.wire``; None where not measurable, e.g. NCCL, and the table 
 MFU counts the model's FLOPs, HFU the hardware's: the forwards that activation recomputation
 runs again are in HFU only (``dlab.worker.train``). ``busy_s_per_step`` and ``idle_s_per_step`` are
 means over the same steps (a straggler slow for a few steps must not vanish under a median):
-the rank's own work and its waiting (``dlab.worker.train.BUSY_KINDS``); ``stragglers()`` names the
+the rank's own work and its waiting (``dlab.core.events.BUSY_KINDS``); ``stragglers()`` names the
 ranks the others wait for.
 """
 from __future__ import annotations

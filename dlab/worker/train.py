@@ -28,7 +28,7 @@ import torch
 
 from dlab.comm.instrumented import OpStats
 from dlab.comm.wire import meter
-from dlab.core.events import comm_times
+from dlab.core.events import BUSY_KINDS, busy_seconds, comm_times, spans
 from dlab.core.machine import device_peak_flops
 from dlab.core.rundir import RankWriter
 from dlab.models.data import make_data
@@ -91,30 +91,15 @@ def _comm_record(strategy: Strategy, before: tuple, after: tuple, wire: int | No
     return total, by_op
 
 
-#: the spans in which a rank does its own work; the rest of a step it waits (for a peer, for
-#: bytes). An injected straggler's delay counts as its own work: it is the slow rank's time.
-BUSY_KINDS = ("forward", "backward", "weight_grad", "optimizer", "straggle")
-
-
 def _step_comm_times(strategy: Strategy, events: list[dict], t0: float,
                      window: tuple[float, float]) -> tuple[float, float]:
     """(exposed, busy) seconds of the step's communication: the spans every ``Comm`` of the
     strategy collected (``perf_counter`` times, moved onto the timeline's clock by ``t0``)
     against the step's own work."""
     collected = [(s - t0, e - t0, b) for c in strategy.comms() for s, e, b in c.spans or ()]
-    work = [(e["start"], e["end"]) for e in events if e["kind"] in BUSY_KINDS]
+    work = spans(events, BUSY_KINDS)
     return comm_times([(s, e) for s, e, _ in collected], [(s, e) for s, e, b in collected if b],
                       work, window)
-
-
-def busy_seconds(events: list[dict]) -> float:
-    """Seconds of the union of ``events``' busy spans (``BUSY_KINDS``; nested spans once)."""
-    spans = sorted((e["start"], e["end"]) for e in events if e["kind"] in BUSY_KINDS)
-    total, end = 0.0, float("-inf")
-    for s, e in spans:
-        total += max(0.0, e - max(s, end))
-        end = max(end, e)
-    return total
 
 
 def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
