@@ -26,27 +26,50 @@ from dlab.models import build
 from dlab.models.data import make_data, shard
 from dlab.runtime.preemption import PREEMPTED_EXIT
 
-DELAY = 0.25  # far above a tiny-GPT step (~10-20 ms here), so timing checks have a wide margin
+#: far above a tiny-GPT step on an idle machine (~10-20 ms), but a step of 2-4 ranks reads
+#: 70-150 ms with the cores busy: the default tests assert only what the delay bounds from below
+#: (a sleep lasts at least its time; a synchronous step cannot end before its slowest rank's
+#: delay) and what the run's own records decide; the comparisons against fractions of the delay
+#: are in the slow tests
+DELAY = 0.25
 
 
 def slow(rank: int, step: int = 1, **more) -> dict:
     return {"rank": rank, "step": step, "kind": "slow", "delay_s": DELAY, **more}
 
 
-def test_a_straggler_holds_back_synchronous_dp_and_is_named(runs_dir):
+def _straggling_ddp(runs_dir):
     run = dlab.launch("ddp", 2, runs_dir=runs_dir, wait=True, **{**TINY_GPT, "steps": 5},
                       fault=slow(1, steps=3))
     spans = [e for e in run.timeline(1) if e["kind"] == "straggle"]
     assert [e["step"] for e in spans] == [1, 2, 3]
-    assert all(abs(e["end"] - e["start"] - DELAY) < 0.05 for e in spans), spans
-    fast, straggler = run.metrics(0), run.metrics(1)
-    for t in (1, 2, 3):  # slowed by the delay, and the fast rank's step follows it, idle
+    assert all(e["end"] - e["start"] >= DELAY for e in spans), spans
+    return run, run.metrics(0), run.metrics(1)
+
+
+def test_a_straggler_holds_back_synchronous_dp_and_is_named(runs_dir):
+    """The straggler's own work holds its delay, the fast rank's step cannot end before the
+    straggler's delay has passed (half of it is taken, for the ranks' start skew), and the
+    summary names rank 1 from the busy and idle times it reads (its rule compares the straggler's
+    extra work with what the others wait: both grow with the delay, not with the load)."""
+    run, fast, straggler = _straggling_ddp(runs_dir)
+    for t in (1, 2, 3):
         assert straggler[t]["busy_s"] >= DELAY
-        assert fast[t]["step_time"] >= DELAY and fast[t]["idle_s"] >= 0.8 * DELAY
-        assert fast[t]["busy_s"] < DELAY / 2
-    assert fast[4]["step_time"] < DELAY / 2  # the span is over
+        assert fast[t]["step_time"] >= DELAY / 2
     notes = run.summary().stragglers()
     assert len(notes) == 1 and notes[0].startswith("rank 1 is a straggler"), notes
+
+
+@pytest.mark.slow
+def test_a_straggler_leaves_the_fast_rank_idle_and_only_while_it_lasts(runs_dir):
+    """Timing on an idle machine (a loaded one stretches the fast rank's own steps towards the
+    delay): the fast rank idles most of the delay and computes far less, and its step after
+    the last delayed one is short again."""
+    run, fast, straggler = _straggling_ddp(runs_dir)
+    assert all(e["end"] - e["start"] < DELAY + 0.05 for e in run.timeline(1) if e["kind"] == "straggle")
+    for t in (1, 2, 3):
+        assert fast[t]["idle_s"] >= 0.8 * DELAY and fast[t]["busy_s"] < DELAY / 2
+    assert fast[4]["step_time"] < DELAY / 2
 
 
 def replay_backup_rule(run, steps: int) -> dict[str, torch.Tensor]:
@@ -68,20 +91,37 @@ def replay_backup_rule(run, steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def _backup_run(runs_dir, delay_s: float, steps: int = 6):
+    return dlab.launch("ps-backup", 4, runs_dir=runs_dir, wait=True, save_final=True,
+                       options={"backup": 1}, fault=slow(1, step=0, delay_s=delay_s),
+                       **{**TINY_GPT, "steps": steps})
+
+
 def test_backup_workers_drop_the_straggler_and_follow_their_rule(runs_dir):
+    """Rank 1 sleeps 4 x DELAY (ten loaded steps) before its first gradient: step 0 is
+    averaged without it. Which three ranks come first in the later steps is the machine's
+    timing, so the update is checked against the ranks the server says it used."""
     steps = 6
-    run = dlab.launch("ps-backup", 4, runs_dir=runs_dir, wait=True, save_final=True,
-                      options={"backup": 1}, fault=slow(1, step=0), **{**TINY_GPT, "steps": steps})
+    run = _backup_run(runs_dir, 4 * DELAY, steps)
     server = run.metrics(0)
-    assert all(m["backup"]["used"] == [0, 2, 3] for m in server), [m["backup"] for m in server]
-    # the fast ranks do not wait for it: their steps stay far below the delay (but the last,
-    # where the server waits for every pending push so that all replicas end equal)
-    assert max(m["step_time"] for m in server[1:-1]) < DELAY / 2
+    used = [m["backup"]["used"] for m in server]
+    assert used[0] == [0, 2, 3], used
+    assert all(len(u) == 3 and 0 in u and u == sorted(set(u)) for u in used), used
     want = replay_backup_rule(run, steps)
     got = final_state(run)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst < 1e-5, worst
     assert_ranks_agree(run)  # the straggler too ends on the final weights
+
+
+@pytest.mark.slow
+def test_backup_workers_leave_the_straggler_behind_without_waiting(runs_dir):
+    """Timing on an idle machine: a straggler late by DELAY at step 0 stays a step behind, so
+    the server uses the other three at every step, and its steps stay far below the delay (but
+    the last, where it waits for every pending push so that all replicas end equal)."""
+    server = _backup_run(runs_dir, DELAY).metrics(0)
+    assert all(m["backup"]["used"] == [0, 2, 3] for m in server), [m["backup"] for m in server]
+    assert max(m["step_time"] for m in server[1:-1]) < DELAY / 2
 
 
 @pytest.mark.slow
