@@ -161,3 +161,28 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def test_no_notebook_imports_the_benches():
+    """The benches sit at the top, under the CLI: a notebook reads runs through ``dlab`` and
+    ``dlab.analysis``, and a bench's helper a lesson needs moves down to the layer it belongs
+    to (as ``torch_run`` moved to ``dlab.parallel.pipeline.torch_pipelining``)."""
+    import json
+
+    found = []
+    for path in sorted((PACKAGE.parent / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            for node in ast.walk(ast.parse(_without_magics("".join(cell["source"])))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{path.name} cell {i}: {n}" for n in names
+                          if n == "dlab.bench" or n.startswith("dlab.bench.")]
+    assert not found, found
+
+
+def _without_magics(source: str) -> str:
+    """A cell's Python: IPython's magics and shell escapes (``%``, ``!``) blanked out."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                     for line in source.splitlines())
