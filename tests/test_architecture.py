@@ -10,7 +10,7 @@ functions alike), and three rules are checked over that graph:
 - an import inside a function of a dlab module says why at its line (``# ...``), e.g. the CLI
   loading one command's heavy dependencies only when that command runs.
 
-The table of layers is the one in README.md ("Layout") and CONTRIBUTING.md.
+The table of layers is the one in CONTRIBUTING.md.
 """
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def _run(args) -> int:
         except OSError as e:
             raise disk_error(e, args.json) from None
     if run.state == "preempted":
-        # a scheduler's wrapper requeues on this status (the README's Slurm recipe)
+        # a scheduler's wrapper requeues on this status (docs/reliability.md's Slurm recipe)
         step = next(iter(run.status().get("ranks", {}).values()), {}).get("resume_from")
         print(f"\npreempted: every rank checkpointed step {step} and stopped; go on with "
               f"--resume {run.path} (exit status {PREEMPTED_EXIT}: try again)", file=sys.stderr)
