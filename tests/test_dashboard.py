@@ -11,7 +11,7 @@ import pytest
 from helpers import TINY_GPT
 
 import dlab
-from dlab.core.events import bubble_fractions
+from dlab.analysis.steps import bubble_fractions
 from dlab.ui.collectives import collective_diagram
 from dlab.ui.dashboard import Dashboard, show
 from dlab.ui.plots import compare, plot

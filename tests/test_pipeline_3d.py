@@ -1,7 +1,7 @@
 """3D parallelism: pipeline stages split by tensor parallelism, pipelines replicated by data
 parallelism (``pipeline-*`` with options ``tp`` and ``dp``). It trains exactly like ``single``
 (fp32 on Gloo, to 1e-5); every rank's parameters and bytes sent per step equal
-``dlab.theory.hybrid``; impossible layouts are refused before any process starts."""
+``dlab.theory.nd``; impossible layouts are refused before any process starts."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +9,9 @@ from helpers import assert_same_training, losses
 
 import dlab
 from dlab.core.config import ConfigError
+from dlab.layout import Layout
 from dlab.models.gpt import GPTConfig
-from dlab.theory import hybrid, tensor
+from dlab.theory import nd, tensor
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",  # SGD: helpers.py says why
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
@@ -18,7 +19,7 @@ GPT = {"model": "gpt", "batch_size": 8, "steps": 3, "optimizer": "sgd",  # SGD: 
 # gpipe and interleaved share 1f1b's executor and stage modules (their own schedules are checked
 # in 2D by test_pipeline_parity.py): slow here, where 1f1b stands for them
 # pp 2 x tp 2 with 1f1b is slow too: notebook 07 trains this very layout against single (and
-# checks each rank's bytes against dlab.theory.hybrid) under make test
+# checks each rank's bytes against dlab.theory.nd) under make test
 CASES = [pytest.param("1f1b", 4, {"tp": 2}, marks=pytest.mark.slow),  # pp 2 x tp 2
          pytest.param("gpipe", 4, {"tp": 2}, marks=pytest.mark.slow),
          pytest.param("interleaved", 4, {"tp": 2}, marks=pytest.mark.slow),  # 2 virtual stages
@@ -36,15 +37,13 @@ def test_3d_matches_single(schedule, world, options, runs_dir, reference):
     cfg = GPTConfig(**GPT["model_options"])
     t, d = options["tp"], options.get("dp", 1)
     p = world // (t * d)
-    blocks = cfg.n_layer // p  # equal blocks: partition by parameters splits them evenly
+    lay = Layout(dp=d, pp=p, tp=t)
     for r in range(world):
         stage = r // (t * d)  # the mesh is row-major over (pp, dp, tp): nd's order
-        first, last = stage == 0, stage == p - 1
-        want = hybrid.step_bytes(cfg, GPT["batch_size"], d, t, p, blocks, first, last)
-        params = hybrid.stage_params(cfg, t, blocks, first, last, p)
+        want = nd.step_bytes(cfg, lay, GPT["batch_size"], stage)
         for m in run.metrics(r):
             assert m["comm"]["sent_bytes"] == pytest.approx(want["total"], rel=1e-12), (r, want)
-            assert m["memory"]["parameters"] == params * 4
+            assert m["memory"]["parameters"] == nd.model_state(cfg, lay, stage)["parameters"]
 
 
 @pytest.mark.parametrize("schedule,world,options,match", [
@@ -61,8 +60,8 @@ def test_bad_3d_layouts_are_refused_before_start(schedule, world, options, match
 
 @pytest.mark.parametrize("t,d", [(1, 2), (2, 1), (2, 2), (4, 1)])
 def test_one_stage_is_tensor_parallelism_on_paper(t, d):
-    """With p = 1 the 3D formula is the TP x DP one of ``estimate.tensor``, term for term."""
+    """With p = 1 ``nd``'s formula is the TP x DP one of ``theory.tensor``, written apart."""
     opts = GPT["model_options"]
-    got = hybrid.step_bytes(opts, 8, d, t, 1, opts["n_layer"], True, True)
-    assert got["total"] == tensor.step_bytes(opts, 8, t, d, False)["total"]
+    got = nd.step_bytes(GPTConfig(**opts), Layout(dp=d, tp=t), 8, 0)
+    assert got["total"] == pytest.approx(tensor.step_bytes(opts, 8, t, d, False)["total"], rel=1e-12)
     assert got["pipeline"] == got["tied"] == 0

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import statistics
 
+from dlab.analysis.steps import peak_memory, steady, wire_per_step
 from dlab.comm.wire import NOT_MEASURABLE
-from dlab.core.metrics import CATEGORIES
 
 MiB = 2 ** 20
 
@@ -53,11 +53,6 @@ def _comm_time(steady: list[dict], key: str) -> float | None:
     return None if None in times else _median(times)
 
 
-def _wire(steady: list[dict]) -> float | None:
-    wire = [m["comm"].get("wire_bytes") for m in steady]
-    return None if None in wire else _median(wire)
-
-
 class Summary:
     def __init__(self, name: str, state: str, rows: list[dict]):
         self.name, self.state, self.rows = name, state, rows
@@ -70,22 +65,22 @@ class Summary:
             if not ms:
                 rows.append({"rank": rank, "steps": 0})
                 continue
-            steady = ms[1:] or ms
-            memory = {c: max(m["memory"].get(c, 0) for m in ms) for c in CATEGORIES}
+            counted = steady(ms)
+            memory = peak_memory(ms)
             rows.append({
                 "rank": rank, "steps": len(ms), "loss": ms[-1]["loss"],
                 "first_step_s": ms[0]["step_time"],
-                "step_time_s": _median([m["step_time"] for m in steady]),
-                "tokens_per_s": _median([m["tokens_per_s"] for m in steady]),
-                "mfu": _median([m["mfu"] for m in steady]),
-                "hfu": _median([m["hfu"] for m in steady if "hfu" in m]),
+                "step_time_s": _median([m["step_time"] for m in counted]),
+                "tokens_per_s": _median([m["tokens_per_s"] for m in counted]),
+                "mfu": _median([m["mfu"] for m in counted]),
+                "hfu": _median([m["hfu"] for m in counted if "hfu" in m]),
                 "memory": memory, "memory_total": sum(memory.values()),
-                "comm_sent_per_step": _median([m["comm"]["sent_bytes"] for m in steady]),
-                "comm_wire_per_step": _wire(steady),
-                "comm_exposed_s_per_step": _comm_time(steady, "exposed_seconds"),
-                "comm_busy_s_per_step": _comm_time(steady, "busy_seconds"),
-                "busy_s_per_step": _mean([m["busy_s"] for m in steady if "busy_s" in m]),
-                "idle_s_per_step": _mean([m["idle_s"] for m in steady if "idle_s" in m]),
+                "comm_sent_per_step": _median([m["comm"]["sent_bytes"] for m in counted]),
+                "comm_wire_per_step": wire_per_step(ms),
+                "comm_exposed_s_per_step": _comm_time(counted, "exposed_seconds"),
+                "comm_busy_s_per_step": _comm_time(counted, "busy_seconds"),
+                "busy_s_per_step": _mean([m["busy_s"] for m in counted if "busy_s" in m]),
+                "idle_s_per_step": _mean([m["idle_s"] for m in counted if "idle_s" in m]),
             })
         return cls(run.path.name, run.state, rows)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import tempfile
 
-from dlab.analysis.steps import step_time
+from dlab.analysis.steps import peak_memory, step_time
 from dlab.bench import compared, median
 from dlab.layout import tokens as layout
 from dlab.models import model_config
@@ -32,7 +32,7 @@ BATCH = 2
 
 
 def _peak_activations(run, ranks: int) -> int:
-    return max(max(m["memory"]["activations"] for m in run.metrics(r)) for r in range(ranks))
+    return max(peak_memory(run.metrics(r))["activations"] for r in range(ranks))
 
 
 def _attention_seconds(run, rank: int) -> float:

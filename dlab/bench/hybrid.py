@@ -3,7 +3,7 @@
 Layouts: data parallel (``ddp``, 4 x 1 x 1), tensor parallel (``tp``, 1 x 1 x 4), TP x DP
 (2 x 1 x 2), pipeline (``pipeline-1f1b``, 1 x 4 x 1, 4 micro-batches), PP x DP (2 x 2 x 1) and
 PP x TP (1 x 2 x 2). Per layout: the parameters the fullest rank holds and the bytes the
-busiest rank sends per step, each beside ``dlab.theory.hybrid`` (which covers all six: p = 1
+busiest rank sends per step, each beside ``dlab.theory.nd`` (which covers all six: p = 1
 is TP x DP, t = 1 and p = 1 is plain data parallelism), the activation peak, and the step time
 beside PyTorch's DDP on the same ranks (the peer: the layout a beginner starts from), both
 timed alike (``dlab.analysis.steps.step_time``: the slowest rank's median step).
@@ -18,11 +18,10 @@ import tempfile
 
 from dlab.analysis.steps import step_time
 from dlab.bench import compared
-from dlab.layout.stages import partition
-from dlab.models import build, model_config
-from dlab.parallel.pipeline.split import param_costs
+from dlab.layout import Layout
+from dlab.models import model_config
 from dlab.procs.launch import launch
-from dlab.theory import hybrid
+from dlab.theory import nd
 
 MODEL = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 128}
 BATCH, WORLD = 8, 4
@@ -36,18 +35,11 @@ LAYOUTS = [("DP", "ddp", {}, (4, 1, 1)),
 
 
 def formulas(dp: int, pp: int, tp: int) -> list[tuple[int, float]]:
-    """(parameters, bytes sent per step) of every rank, in rank order (the mesh is row-major
-    over (dp, pp, tp)); the stages' blocks as the pipeline strategy splits them."""
-    cfg = model_config("gpt", MODEL)
-    blocks, first, last = param_costs(build("gpt", MODEL, seed=0))
-    ranges = partition(blocks, pp, first, last)
-    out = []
-    for r in range(dp * pp * tp):
-        s = r // tp % pp
-        args = (cfg, tp, len(ranges[s]), s == 0, s == pp - 1, pp)
-        sent = hybrid.step_bytes(cfg, BATCH, dp, tp, pp, *args[2:5])["total"]
-        out.append((hybrid.stage_params(*args), sent))
-    return out
+    """(parameters, bytes sent per step) of every rank's stage (``dlab.theory.nd``; a rank's
+    stage is its pp coordinate, which only the maxima compared below need)."""
+    cfg, lay = model_config("gpt", MODEL), Layout(dp=dp, pp=pp, tp=tp)
+    return [(nd.model_state(cfg, lay, s)["parameters"] // 4, nd.step_bytes(cfg, lay, BATCH, s)["total"])
+            for s in range(pp)]
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 
-from dlab.analysis.steps import step_time
+from dlab.analysis.steps import steady, step_time
 from dlab.bench.nd import BATCH, MODEL, QUICK, label, layouts, measure, runnable
 from dlab.models.gpt import GPTConfig
 from dlab.procs.launch import launch
@@ -94,7 +94,7 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def _steady(run, key: str, rank: int) -> list[float]:
-    return [m[key] for m in run.metrics(rank)[WARMUP:]]
+    return [m[key] for m in steady(run.metrics(rank), WARMUP)]
 
 
 def spread(run) -> float:

@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 from dlab import models
-from dlab.analysis.steps import step_time
+from dlab.analysis.steps import peak_memory, steady, step_time
 from dlab.bench import compared, median
 from dlab.comm.instrumented import Comm
 from dlab.comm.wire import NOT_MEASURABLE
@@ -56,15 +56,14 @@ def _layer_traffic(model_options: dict, batch: int) -> dict[bool, float]:
 
 
 def _steady(run, key: str, rank: int = 0) -> float:
-    ms = run.metrics(rank)[1:] or run.metrics(rank)  # the first step pays for warm-up
-    return median([m[key] for m in ms])
+    return median([m[key] for m in steady(run.metrics(rank))])
 
 
 def _wire(run):
     """Rank 0's measured bytes per step of the strategy's own collectives (the step's total less
     what no ``Comm`` op took, the logged loss's mean), median after the first step, if
     measurable."""
-    ms = run.metrics(0)[1:] or run.metrics(0)
+    ms = steady(run.metrics(0))
     if any(m["comm"].get("wire_bytes") is None for m in ms):
         return NOT_MEASURABLE
     return median([m["comm"]["wire_bytes"] - m["comm_by_op"]["outside_comm"]["wire_bytes"] for m in ms])
@@ -72,13 +71,12 @@ def _wire(run):
 
 def _gloo(run):
     """The model of Gloo's algorithms for rank 0's step, as ``Comm`` recorded it for its calls."""
-    ms = run.metrics(0)[1:] or run.metrics(0)
-    gloo = [m["comm"].get("gloo_bytes") for m in ms]
+    gloo = [m["comm"].get("gloo_bytes") for m in steady(run.metrics(0))]
     return "" if None in gloo else median(gloo)
 
 
 def _activations(run) -> int:
-    return max(m["memory"]["activations"] for m in run.metrics(0))
+    return peak_memory(run.metrics(0))["activations"]
 
 
 def run(quick: bool = False) -> list[dict]:

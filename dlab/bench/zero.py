@@ -31,8 +31,8 @@ from __future__ import annotations
 import tempfile
 
 from dlab import models
-from dlab.analysis.steps import step_time
-from dlab.bench import compared, median
+from dlab.analysis.steps import step_time, wire_per_step
+from dlab.bench import compared
 from dlab.comm.gloo import gloo_all_reduce_bytes
 from dlab.comm.wire import NOT_MEASURABLE
 from dlab.procs.launch import launch
@@ -101,9 +101,9 @@ def _measure(strategy: str, n: int, steps: int, root, reduce_scatter: str = "") 
 
 
 def _wire(ms: list[dict]):
-    """Rank 0's measured bytes per step (the median after the first), if measurable."""
-    wire = [m["comm"].get("wire_bytes") for m in ms[1:] or ms]
-    return NOT_MEASURABLE if None in wire else median(wire) / 1e6
+    """Rank 0's measured bytes per step (``analysis.steps.wire_per_step``), if measurable."""
+    wire = wire_per_step(ms)
+    return NOT_MEASURABLE if wire is None else wire / 1e6
 
 
 def run(quick: bool = False) -> list[dict]:

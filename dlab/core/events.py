@@ -100,26 +100,3 @@ def spans(events: list[dict], kinds) -> list[tuple[float, float]]:
 def busy_seconds(events: list[dict], kinds=BUSY_KINDS) -> float:
     """Seconds of one rank's own work (``kinds``, nested spans once)."""
     return covered(spans(events, kinds))
-
-
-def bubble_fractions(events: list[dict]) -> dict[int, float]:
-    """Mean bubble fraction per rank over the steps after the first (all steps if only one):
-    for one step the window runs from the first computation on any rank to the last one, and a
-    rank's bubble is the part of that window in which it computes nothing (GPipe, Huang et al.
-    2019; 1F1B, Narayanan et al. 2019). ``events`` are timeline events of all ranks, each with
-    ``rank``."""
-    by_step: dict[int, dict[int, list[dict]]] = {}
-    for e in events:
-        if e["kind"] in COMPUTE:
-            by_step.setdefault(e["step"], {}).setdefault(e["rank"], []).append(e)
-    steps = sorted(by_step)[1:] or sorted(by_step)
-    out: dict[int, list[float]] = {}
-    for s in steps:
-        ranks = by_step[s]
-        start = min(e["start"] for evs in ranks.values() for e in evs)
-        end = max(e["end"] for evs in ranks.values() for e in evs)
-        if end <= start:
-            continue
-        for r, evs in ranks.items():
-            out.setdefault(r, []).append(1 - busy_seconds(evs, COMPUTE) / (end - start))
-    return {r: sum(v) / len(v) for r, v in sorted(out.items())}

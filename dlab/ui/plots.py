@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dlab.analysis.reader import open_run
-from dlab.core.events import COMPUTE, bubble_fractions
+from dlab.analysis.steps import bubble_fractions, peak_memory, steady, wire_per_step
+from dlab.core.events import COMPUTE
 from dlab.core.metrics import CATEGORIES
 from dlab.theory.simulate import replay, replay_ops
 from dlab.ui.figure import CATEGORY_COLORS, MiB, new_figure, style
@@ -80,8 +81,8 @@ def simulated_bubbles(layout: PipelineView, events: list[dict]) -> dict[str, dic
         for s in steps:
             by_op += _placed(replay_ops(sched, [e for e in mine if e["step"] == s]), ranks, s)
         if steps:
-            steady = set(steps[1:] or steps)  # the mean op times of the steps measured bars count
-            by_mean += _placed(replay(sched, [e for e in mine if e["step"] in steady]), ranks, 0)
+            counted = set(steady(steps))  # the mean op times of the steps the measured bars count
+            by_mean += _placed(replay(sched, [e for e in mine if e["step"] in counted]), ranks, 0)
     out = {"simulated (model), measured op times": bubble_fractions(by_op),
            "simulated (model), mean op times": bubble_fractions(by_mean)}
     return {label: values for label, values in out.items() if values}
@@ -244,10 +245,6 @@ def bubble_panel(ax, events: list[dict], config: dict | None) -> None:
         ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=2)
 
 
-def peak_memory(records: list[dict]) -> dict[str, float]:
-    return {c: max((m["memory"].get(c, 0) for m in records), default=0) for c in CATEGORIES}
-
-
 def memory_bars(ax, memory: dict[str, dict[str, float]], offset: float = 0.0, width: float = 0.8,
                 legend: bool = True) -> None:
     """Stacked bars, one per key of ``memory`` ({label: {category: bytes}}), in MiB."""
@@ -301,11 +298,17 @@ def compare(runs) -> Figure:
     labels = [run_label(r) for r in runs]
     fig = new_figure(figsize=(12, 7))
     axes = fig.subplots(2, 2)
-    for ax, key, scale, title in ((axes[0, 0], "step_time_s", 1e3, "step time (ms, median)"),
-                                  (axes[0, 1], "tokens_per_s", 1, "throughput (tokens/s, median)")):
+    # the step time's bar is the run's step time, the slowest rank's (analysis.steps.step_time,
+    # the one every bench reports); throughput's is the median rank's
+    bars = {"step_time_s": [max([row["step_time_s"] for row in s.rows if row["steps"]] or [0])
+                            for s in summaries],
+            "tokens_per_s": [statistics.median([row["tokens_per_s"] for row in s.rows if row["steps"]]
+                                               or [0]) for s in summaries]}
+    for ax, key, scale, title in ((axes[0, 0], "step_time_s", 1e3, "step time (ms, slowest rank)"),
+                                  (axes[0, 1], "tokens_per_s", 1, "throughput (tokens/s, median rank)")):
         for i, s in enumerate(summaries):
             values = [row[key] * scale for row in s.rows if row["steps"]]
-            ax.bar(i, statistics.median(values) if values else 0, 0.6, color="#c9d6ea")
+            ax.bar(i, bars[key][i] * scale, 0.6, color="#c9d6ea")
             ax.plot([i] * len(values), values, "o", ms=3, color="#4c72b0")
         ax.set_xticks(range(len(labels)), labels)
         style(ax, title + " - dots: ranks", "")
@@ -351,9 +354,3 @@ def sent_per_step_bars(ax, runs, summaries, labels: list[str]) -> None:
     ax.legend(fontsize=6, title=None if measured_any else "wire bytes: not measured",
               title_fontsize=6)
 
-
-def wire_per_step(records: list[dict]) -> float | None:
-    """Median bytes measured on the wire per step over the steps after the first (the
-    summary's steps), or None where any of them was not measured."""
-    wire = [m["comm"].get("wire_bytes") for m in records[1:] or records]
-    return statistics.median(wire) if wire and None not in wire else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 from dlab.core.options import Option
+from dlab.layout import tokens
 from dlab.parallel.context import attention as cores
 
 ATTENTION = {"ring": cores.ring_attention, "allgather": cores.allgather_attention,
@@ -24,3 +25,15 @@ def attention_core(attention: str, mesh, positions: list, timeline=None, ulysses
         return functools.partial(cores.usp_attention, ring=ring), [heads, across]
     ring = cores.Ring(mesh.comm("cp"), positions, timeline)
     return functools.partial(ATTENTION[attention], ring=ring), [mesh.comm("cp")]
+
+
+def apply_context_parallel(model, mesh, lay, seq_len: int, device, timeline=None):
+    """Cut every sequence over ``mesh``'s cp ranks (``lay.cp_layout``: zigzag gives each rank
+    an early and a late chunk, so causal attention costs every rank the same; Brandon et al.
+    2023) and make every block's attention core ``lay.cp_attention`` over them. Returns this
+    rank's token positions and the Comms the cores talk over."""
+    positions = [tokens.positions(lay.cp_layout, seq_len, r, lay.cp).to(device) for r in range(lay.cp)]
+    core, comms = attention_core(lay.cp_attention, mesh, positions, timeline, lay.ulysses)
+    for block in model.blocks:
+        block.attn.core = core
+    return positions[mesh.rank("cp")], comms

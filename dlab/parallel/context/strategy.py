@@ -30,7 +30,7 @@ from dlab.layout import Layout, tokens
 from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, WholeModel
-from dlab.parallel.context.core import ATTENTION, ULYSSES, attention_core
+from dlab.parallel.context.core import ATTENTION, ULYSSES, apply_context_parallel
 from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.mesh import Mesh
 
@@ -69,16 +69,10 @@ class ContextParallel(WholeModel):
         lay = self.layout(ctx.config)
         self.dp = lay.dp
         self.mesh = Mesh.of(lay, device_type=ctx.device.type)
-        seq_len = ctx.config.model_config().seq_len
-        positions = [tokens.positions(lay.cp_layout, seq_len, r, lay.cp).to(ctx.device)
-                     for r in range(lay.cp)]
-        self.positions = positions[self.mesh.rank("cp")]
         self.model = self.build_model()
         self.mesh.comm("cp").reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
-        core, self.attention_comms = attention_core(lay.cp_attention, self.mesh, positions,
-                                                    ctx.timeline, lay.ulysses)
-        for block in self.model.blocks:
-            block.attn.core = core
+        self.positions, self.attention_comms = apply_context_parallel(
+            self.model, self.mesh, lay, ctx.config.model_config().seq_len, ctx.device, ctx.timeline)
         self.params = list(self.model.parameters())
         self.optimizer = self.build_optimizer(self.params)
         self.meter = ActivationMeter(self.params)

@@ -99,3 +99,28 @@ class ExpertParallelCombine:
         back = all_to_all(done, comm, in_splits, out_splits)
         out = torch.zeros_like(flat)
         return out.index_add(0, token, back * weight[:, None])
+
+
+def keep_local_experts(model, comm: Comm, n_expert: int, timeline=None) -> list[ExpertParallelCombine]:
+    """In every MoE layer of ``model`` keep only the experts this rank of ``comm`` holds
+    (``owner``) and route tokens to the others' over ``comm``; returns each layer's combine.
+    The dropped experts free their memory: that is how expert counts outgrow one device
+    (Switch Transformer, Fedus et al. 2021, sec. 5)."""
+    combines = []
+    for moe in (block.mlp for block in model.blocks):
+        local = {e: moe.experts[e] for e in range(n_expert) if owner(e, n_expert, comm.size) == comm.rank}
+        moe.experts = torch.nn.ModuleList(local.values())
+        moe.first_expert = min(local)  # the local index i is global expert first_expert + i
+        moe.combine = ExpertParallelCombine(comm, local, n_expert, timeline)
+        combines.append(moe.combine)
+    return combines
+
+
+def global_expert_name(name: str, first: int) -> str:
+    """A local parameter name under the single model's expert numbering:
+    ``blocks.1.mlp.experts.0.fc.weight`` on a rank whose first expert is 2 ->
+    ``blocks.1.mlp.experts.2.fc.weight``."""
+    parts = name.split(".")
+    i = parts.index("experts")
+    parts[i + 1] = str(first + int(parts[i + 1]))
+    return ".".join(parts)

@@ -24,7 +24,7 @@ from dlab.layout import Layout
 from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import Strategy
-from dlab.parallel.expert.dispatch import ExpertParallelCombine, owner
+from dlab.parallel.expert.dispatch import global_expert_name, keep_local_experts
 from dlab.parallel.grads import reduce_gradients
 
 
@@ -50,17 +50,10 @@ class ExpertParallel(Strategy):
     def setup(self) -> None:
         ctx = self.ctx
         self.model = self.build_model()
-        n_expert = ctx.config.model_config().n_expert
-        self.combines = []
-        for moe in (block.mlp for block in self.model.blocks):
-            local = {e: moe.experts[e] for e in range(n_expert)
-                     if owner(e, n_expert, ctx.world_size) == ctx.rank}
-            moe.experts = torch.nn.ModuleList(local.values())  # the others are dropped
-            moe.first_expert = min(local)
-            combine = ExpertParallelCombine(ctx.comm, local, n_expert, ctx.timeline)
-            moe.combine = combine
-            moe.sum_counts = self._sum_counts
-            self.combines.append(combine)
+        self.combines = keep_local_experts(self.model, ctx.comm, ctx.config.model_config().n_expert,
+                                           ctx.timeline)
+        for block in self.model.blocks:
+            block.mlp.sum_counts = self._sum_counts
         expert_ids = {id(p) for block in self.model.blocks for p in block.mlp.experts.parameters()}
         self.params = list(self.model.parameters())
         self.dense = [p for p in self.params if id(p) not in expert_ids]
@@ -97,12 +90,9 @@ class ExpertParallel(Strategy):
         names they have in the single model."""
         mine = {}
         for name, t in self.model.state_dict().items():
-            parts = name.split(".")
-            if "experts" in parts:
-                i = parts.index("experts")
-                layer = self.model.blocks[int(parts[1])].mlp
-                parts[i + 1] = str(layer.first_expert + int(parts[i + 1]))
-            mine[".".join(parts)] = t.detach().cpu().clone()
+            if ".experts." in name:
+                name = global_expert_name(name, self.model.blocks[int(name.split(".")[1])].mlp.first_expert)
+            mine[name] = t.detach().cpu().clone()
         everyone = [None] * self.ctx.world_size
         dist.all_gather_object(everyone, mine)
         return {k: v for part in everyone for k, v in part.items()}

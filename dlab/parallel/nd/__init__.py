@@ -1,3 +1,4 @@
-"""Every parallel dimension on one mesh: ``sharding.py`` (data parallelism with ZeRO 0-3 under
-micro-batches), ``strategy.py`` (``nd``); the layout, its order and its rules are
-``dlab.layout``."""
+"""Every parallel dimension on one mesh: ``compose.py`` (one step per dimension, in order),
+``sharding.py`` (data parallelism with ZeRO 0-3 under micro-batches), ``state.py`` (checkpoint
+pieces), ``strategy.py`` (``nd``), ``pipelines.py`` (the ``pipeline-*`` presets); the layout,
+its order and its rules are ``dlab.layout``."""

@@ -56,15 +56,14 @@ from dlab.layout.stages import partition
 from dlab.models.data import make_data, shard
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy
-from dlab.parallel.context.core import ATTENTION, ULYSSES, attention_core
-from dlab.parallel.expert.dispatch import ExpertParallelCombine, owner
+from dlab.parallel.context.core import ATTENTION, ULYSSES
 from dlab.parallel.grads import reduce_gradients
 from dlab.parallel.mesh import Mesh
 from dlab.parallel.mixed import PRECISION, precision_of, scaled_step
+from dlab.parallel.nd import compose
 from dlab.parallel.nd import state as nd_state
-from dlab.parallel.nd.sharding import DataSharding, stage_groups
 from dlab.parallel.pipeline.executor import Executor
-from dlab.parallel.pipeline.split import StageModule, param_costs, time_costs
+from dlab.parallel.pipeline.split import param_costs, time_costs
 from dlab.parallel.pipeline.weight_grad import WeightGradStore, split_linears
 from dlab.parallel.tensor.model import TensorParallelGPT, gather_shards
 from dlab.parallel.zero.sharded import UnitActivationMeter
@@ -161,42 +160,39 @@ class ND(Strategy):
         self.lay = lay = self.layout(cfg)
         self.mesh = mesh = Mesh.of(lay, device_type=ctx.device.type)
         self.pp_rank = mesh.rank("pp")
-        for comm in mesh.comms.values():
+        self.data_comm = mesh.subgroup(compose.DATA)
+        for comm in (*mesh.comms.values(), self.data_comm):
             comm.reduce_scatter_algorithm = reduce_scatter_option(cfg)
-        self.data_comm = mesh.subgroup(("dp", "cp"))
-        self.data_comm.reduce_scatter_algorithm = reduce_scatter_option(cfg)
         self.sched = lay.pipeline()
         full = self.build_model()
-        self.state_keys = list(full.state_dict())
-        blocks, first, last = self._block_costs(full)
+        self.state_keys = list(full.state_dict())  # the single model's names, for checkpoints
+        blocks, first, last = self._block_costs(full)  # the whole model's: every tp rank cuts alike
         self.ranges = partition(blocks, self.sched.n_stages, first, last)
-        model = full
-        if lay.tp > 1:
-            model = TensorParallelGPT(full, mesh.comm("tp"), lay.sequence_parallel).to(ctx.device)
-        self.expert_comm, self.expert_data_comm = self._split_experts(model)
-        self.positions = self._context_parallel(model)
-        n = self.sched.n_stages
-        self.stages = {s: StageModule(model, self.ranges[s], s == 0, s == n - 1)
-                       for s in self.sched.stages_of(self.pp_rank)}
-        for st in self.stages.values():
-            st.positions = self.positions
-        self.tied_comm = self._tied_comm(model)
-        groups = stage_groups(self.stages.values())
-        expert_groups = self._expert_groups(groups)
-        self.prec = prec = precision_of(cfg)
-        # one count of the rank's transient buffers, so comm_buffers is one peak of them all
-        self.transient = Transient()
-        self.dense = DataSharding(lay.zero, groups, self.data_comm, ctx.device, ctx.timeline,
-                                  self.transient, precision=prec)
-        self.experts = (DataSharding(lay.zero, expert_groups, self.expert_data_comm, ctx.device,
-                                     ctx.timeline, self.transient, divide_by=self.data_comm.size,
-                                     precision=prec)
-                        if expert_groups else None)
-        self.shardings = [s for s in (self.dense, self.experts) if s is not None]
+        # the composition (dlab.parallel.nd.compose), each step on what the one before made
+        model = compose.tensor_parallel(full, mesh, lay, ctx.device)
+        self.combines, self.expert_comm, self.expert_data_comm = compose.expert_parallel(
+            model, mesh, lay, getattr(cfg.model_config(), "n_expert", None))
+        self.positions, self.context_comms = compose.context_parallel(
+            model, mesh, lay, cfg.model_config().seq_len, ctx.device)
+        self.stages = compose.stages(model, self.sched, self.ranges, self.pp_rank, self.positions)
+        self.tied_comm = compose.tied_pair(model, mesh, self.sched)
+        self.prec = precision_of(cfg)
+        self.transient = Transient()  # one count of every transient buffer: one comm_buffers peak
+        self.shardings = compose.data_sharding(self.stages, lay, self.data_comm, self.expert_data_comm,
+                                               ctx.device, ctx.timeline, self.transient, self.prec)
+        self.dense = self.shardings[0]
         self.params = [p for s in self.shardings for p in s.params]
-        mine = {id(p) for p in self.params}
+        mine = {id(p) for p in self.params}  # this rank's stages' replicated parameters only
         self.sp_params = [p for p in (model.sequence_parallel_params() if lay.tp > 1 else [])
-                          if id(p) in mine]  # this rank's stages' only
+                          if id(p) in mine]
+        self._training_parts()
+
+    def _training_parts(self) -> None:
+        """What runs the schedule over the composed stages: the optimizer over the shardings'
+        (master) parameters, the activation meter, the zero-bubble schedules' weight-gradient
+        store, the executor, and fp16's loss scaler."""
+        ctx, cfg, lay, prec = self.ctx, self.ctx.config, self.lay, self.prec
+        self.rows_seen = (0, 0)
         self.optimizer = self.build_optimizer([p for s in self.shardings for p in s.optimizer_params()])
         self.meter = (UnitActivationMeter([u for s in self.shardings for u in s.units])
                       if lay.zero == 3 else ActivationMeter(self.params))
@@ -204,7 +200,7 @@ class ND(Strategy):
         if self.store is not None:
             for st in self.stages.values():
                 split_linears(st, self.store)
-        self.executor = Executor(self.sched, self.pp_rank, self.stages, mesh.comm("pp"),
+        self.executor = Executor(self.sched, self.pp_rank, self.stages, self.mesh.comm("pp"),
                                  ctx.timeline, self.meter, self.store, ctx.device, self.transient,
                                  recv_ahead=self.recv_ahead(cfg))
         self.executor.act_dtype = prec.compute
@@ -237,71 +233,6 @@ class ND(Strategy):
             costs = [time_costs(model, (x, y))]
         dist.broadcast_object_list(costs, src=0)
         return costs[0]
-
-    def _split_experts(self, model):
-        """Keep this rank's E/ep experts of every MoE layer and route tokens to the others'
-        over the folded ep group (``dispatch``); returns (ep group, expert-data group)."""
-        lay = self.lay
-        if self.ctx.config.model != "moe":
-            return None, None
-        ep_comm, across = self.mesh.folded(("dp", "cp"), lay.ep)
-        n_expert = self.ctx.config.model_config().n_expert
-        for block in model.blocks:
-            moe = block.mlp
-            local = {e: moe.experts[e] for e in range(n_expert)
-                     if owner(e, n_expert, lay.ep) == ep_comm.rank}
-            moe.experts = torch.nn.ModuleList(local.values())
-            moe.first_expert = min(local)
-            moe.combine = ExpertParallelCombine(ep_comm, local, n_expert)
-        self.combines = [block.mlp.combine for block in model.blocks]
-        self.rows_seen = (0, 0)
-        return ep_comm, across
-
-    def _expert_groups(self, groups) -> list:
-        """Take the experts out of ``groups`` (they are reduced over other ranks) and return
-        them as units of their own, one per layer, under the single model's expert names."""
-        if self.expert_comm is None:
-            return []
-        out = []
-        for gi, (name, mod, params) in enumerate(groups):
-            experts = [(n, p) for n, p in params if ".experts." in n]
-            if not experts:
-                continue
-            groups[gi] = (name, mod, [(n, p) for n, p in params if ".experts." not in n])
-            layer = int(experts[0][0].split(".")[1])
-            first = self.stage_block(layer).mlp.first_expert
-            out.append((f"experts{layer}", None, [(_global_expert(n, first), p) for n, p in experts]))
-        return out
-
-    def stage_block(self, layer: int):
-        for st in self.stages.values():
-            if layer in st.block_range:
-                return st.blocks[st.block_range.index(layer)]
-        raise KeyError(layer)
-
-    def _context_parallel(self, model) -> torch.Tensor | None:
-        """This cp rank's token positions; every attention core becomes the ring (or another
-        attention) over cp."""
-        lay, cfg = self.lay, self.ctx.config
-        self.context_comms = []
-        if lay.cp == 1:
-            return None
-        seq_len = cfg.model_config().seq_len
-        positions = [tokens.positions(lay.cp_layout, seq_len, r, lay.cp).to(self.ctx.device)
-                     for r in range(lay.cp)]
-        core, self.context_comms = attention_core(lay.cp_attention, self.mesh, positions,
-                                                  ulysses=lay.ulysses)
-        for block in model.blocks:
-            block.attn.core = core
-        return positions[self.mesh.rank("cp")]
-
-    def _tied_comm(self, model):
-        """The first and the last stage's ranks of this pipeline, each holding (its tensor-
-        parallel shard of) the tied matrix: their gradients are summed after the schedule."""
-        first, last = self.sched.stage_rank[0], self.sched.stage_rank[-1]
-        if not model.cfg.tied or first == last:
-            return None
-        return self.mesh.subgroup(("pp",), select={"pp": (first, last)})
 
     # --- a step ---------------------------------------------------------------------------
     def step(self, batch):
@@ -415,11 +346,3 @@ class ND(Strategy):
                  "expert": self.expert_comm, "expert_data": self.expert_data_comm}
         return {k: c for k, c in named.items() if c is not None}
 
-
-def _global_expert(name: str, first: int) -> str:
-    """``blocks.1.mlp.experts.0.fc.weight`` on a rank whose first expert is 2 ->
-    ``blocks.1.mlp.experts.2.fc.weight``."""
-    parts = name.split(".")
-    i = parts.index("experts")
-    parts[i + 1] = str(first + int(parts[i + 1]))
-    return ".".join(parts)

@@ -1,12 +1,13 @@
-"""The ``pipeline-*`` strategies: one class, seven schedules, and the lesson's parts beside it.
+"""The ``pipeline-*`` strategies: one class, seven schedules, ``nd``'s presets.
 
-The parts are the lesson: ``dlab.layout.schedules`` writes each rank's action list,
-``executor.py`` runs it (receives posted ahead, activations and gradients crossing while the
-rank computes), ``split.py`` cuts the GPT into stages, ``weight_grad.py`` splits a backward for
-the zero-bubble schedules. The strategy that runs them is ``nd`` with a pipeline and nothing
-else but, optionally, dp replicas and tp ranks per stage: the same mesh (pp x dp x tp, tp
-fastest), the same tied pair, the same gradient reduction, so the same degrees place the same
-ranks whichever name launched them.
+The parts are the lesson, in ``dlab.parallel.pipeline``: ``dlab.layout.schedules`` writes each
+rank's action list, ``executor.py`` runs it (receives posted ahead, activations and gradients
+crossing while the rank computes), ``split.py`` cuts the GPT into stages, ``weight_grad.py``
+splits a backward for the zero-bubble schedules. The strategy that runs them is ``nd`` with a
+pipeline and nothing else but, optionally, dp replicas and tp ranks per stage: the same mesh
+(pp x dp x tp, tp fastest), the same tied pair, the same gradient reduction, so the same
+degrees place the same ranks whichever name launched them. They live beside ``nd`` (not in
+``dlab.parallel.pipeline``) so that the parts never import the strategy made of them.
 
 ``options``:
 
