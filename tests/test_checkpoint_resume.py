@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from helpers import final_state, losses
+from helpers import assert_same_checkpoint, final_state, losses
 
 import dlab
 from dlab.runtime import checkpoint
@@ -47,20 +47,6 @@ CASES = [
 
 def _step(run, step: int) -> checkpoint.Reader:
     return checkpoint.Reader(run.path / "checkpoints" / f"step-{step:08d}")
-
-
-def assert_same_checkpoint(a: checkpoint.Reader, b: checkpoint.Reader) -> None:
-    """Every tensor both checkpoints hold, assembled whole, bit for bit, and the same scaler."""
-    names = {n for s in a.states.values() for n in s["params"]}
-    assert names == {n for s in b.states.values() for n in s["params"]}
-    for name in sorted(names):
-        assert torch.equal(a.tensor("params", name), b.tensor("params", name)), name
-        assert a.keys(name) == b.keys(name), name
-        for key in sorted(a.keys(name)):
-            got, want = a.tensor("optim", name, key), b.tensor("optim", name, key)
-            assert torch.equal(got, want), (
-                f"{name}/{key} differs by up to {(got - want).abs().max().item():.3g}")
-    assert a.scaler() == b.scaler()
 
 
 @pytest.mark.parametrize("strategy,world,options,lr", CASES)

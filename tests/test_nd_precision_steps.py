@@ -155,7 +155,7 @@ def test_bf16_fp32_grads_accumulates_micro_batches_in_fp32(on_ranks, case):
     for rank, result in enumerate(on_ranks):
         worst = result["accumulation"][case]
         assert worst["bf16"] > 2.0 ** -12, ("the micro-batches are too tame to show bf16's "
-                                            f"rounding: the test tells nothing apart", worst)
+                                            "rounding: the test tells nothing apart", worst)
         assert worst["fp32"] <= 2.0 ** -20, f"rank {rank}: not accumulated in fp32: {worst}"
 
 
