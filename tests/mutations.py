@@ -325,6 +325,23 @@ MUTATIONS = [
         ("tests/test_checkpoint_state.py::"
          "test_a_resume_restores_every_moment_master_working_copy_and_scale",),
     ),
+    Mutation(
+        "single-resume-drops-masters",
+        "single, mixed precision: a resume loads the 16-bit model but not the fp32 masters the "
+        "optimizer steps, so the next step starts from the initial weights",
+        "dlab/runtime/checkpoint.py",
+        (("                masters[i].copy_(saved)\n                p.copy_(masters[i])\n",
+          "                p.copy_(saved)\n"),),
+        ("tests/test_checkpoint_resume.py::test_a_resume_reproduces_the_uninterrupted_run[single-bf16]",),
+    ),
+    Mutation(
+        "resume-drops-loss-scale",
+        "fp16: a resume leaves the loss scaler at its initial scale and counters",
+        "dlab/worker/main.py",
+        (("        strategy.scaler.load_state_dict(reader.scaler())\n", "        pass\n"),),
+        ("tests/test_checkpoint_resume.py::"
+         "test_a_resume_reproduces_the_uninterrupted_run[nd-dp2-zero1-fp16]",),
+    ),
 ]
 
 
