@@ -55,3 +55,18 @@ def assert_same_training(run, ref, loss_tol: float = 1e-5, param_tol: float = 1e
     diff, name = max_param_diff(final_state(run), final_state(ref))
     assert diff <= param_tol, f"parameter {name} differs by {diff:.2e} > {param_tol:.0e}"
     assert_ranks_agree(run)
+
+
+def assert_same_checkpoint(a, b) -> None:
+    """Two ``dlab.runtime.checkpoint.Reader``s hold the same: every parameter and every
+    optimizer moment, assembled whole, bit for bit, and the same loss scaler state."""
+    names = {n for s in a.states.values() for n in s["params"]}
+    assert names == {n for s in b.states.values() for n in s["params"]}
+    for name in sorted(names):
+        assert torch.equal(a.tensor("params", name), b.tensor("params", name)), name
+        assert a.keys(name) == b.keys(name), name
+        for key in sorted(a.keys(name)):
+            got, want = a.tensor("optim", name, key), b.tensor("optim", name, key)
+            assert torch.equal(got, want), (
+                f"{name}/{key} differs by up to {(got - want).abs().max().item():.3g}")
+    assert a.scaler() == b.scaler()

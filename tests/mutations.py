@@ -330,6 +330,56 @@ MUTATIONS = [
         (("    at_once = 2 if max(blocks.values()) >= 2 else 1\n", "    at_once = 2\n"),),
         ("tests/test_nd_buffers.py::test_comm_buffers_are_the_formula_on_every_rank_and_step"
          "[4-pp2-dp2-zero3-scheduleinterleaved]",),
+        "nd-resume-cut-moments",
+        "nd, ZeRO >= 1: a resume restores the optimizer state (Adam's moments) only of parameters "
+        "wholly inside a rank's chunk; those a chunk boundary cuts restart from zero",
+        "dlab/parallel/nd/state.py",
+        (("                for k in state:\n",
+          "                for k in state if n == slot.numel else ():\n"),),
+        ("tests/test_checkpoint_state.py::"
+         "test_a_resume_restores_every_moment_master_working_copy_and_scale",),
+    ),
+    Mutation(
+        "nd-main-grads-in-bf16",
+        "bf16-fp32-grads: the micro-batches' gradients accumulate in the bf16 .grad (no hook folds "
+        "each into the fp32 main_grad), folded once after the last",
+        "dlab/parallel/mixed.py",
+        (("            p.register_post_accumulate_grad_hook(self._fold_one)\n", ""),),
+        ("tests/test_nd_precision_steps.py::test_bf16_fp32_grads_accumulates_micro_batches_in_fp32",),
+    ),
+    Mutation(
+        "fp16-skip-per-rank",
+        "fp16: each rank decides alone whether its gradients overflowed (the flag is not reduced "
+        "over the world), so a rank with an inf skips while the others step",
+        "dlab/parallel/mixed.py",
+        (("        dist.all_reduce(found, op=dist.ReduceOp.MAX)\n", "        pass\n"),),
+        ("tests/test_nd_precision_steps.py::test_an_overflow_on_one_rank_skips_the_step_on_every_rank",),
+    ),
+    Mutation(
+        "nd-resume-stale-working-copy",
+        "nd, ZeRO-3, mixed precision: a resume loads the fp32 masters but leaves the 16-bit shard "
+        "the model computes with at its initial values",
+        "dlab/parallel/nd/state.py",
+        (("                u.shard.copy_(master)\n", "                pass\n"),),
+        ("tests/test_checkpoint_state.py::"
+         "test_a_resume_restores_every_moment_master_working_copy_and_scale",),
+    ),
+    Mutation(
+        "single-resume-drops-masters",
+        "single, mixed precision: a resume loads the 16-bit model but not the fp32 masters the "
+        "optimizer steps, so the next step starts from the initial weights",
+        "dlab/runtime/checkpoint.py",
+        (("                masters[i].copy_(saved)\n                p.copy_(masters[i])\n",
+          "                p.copy_(saved)\n"),),
+        ("tests/test_checkpoint_resume.py::test_a_resume_reproduces_the_uninterrupted_run[single-bf16]",),
+    ),
+    Mutation(
+        "resume-drops-loss-scale",
+        "fp16: a resume leaves the loss scaler at its initial scale and counters",
+        "dlab/worker/main.py",
+        (("        strategy.scaler.load_state_dict(reader.scaler())\n", "        pass\n"),),
+        ("tests/test_checkpoint_resume.py::"
+         "test_a_resume_reproduces_the_uninterrupted_run[nd-dp2-zero1-fp16]",),
     ),
 ]
 

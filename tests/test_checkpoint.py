@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import TINY_GPT, assert_ranks_agree, final_state, losses
+from helpers import TINY_GPT, assert_ranks_agree, assert_same_checkpoint, final_state, losses
 
 import dlab
 from dlab.runtime import checkpoint
@@ -144,7 +144,10 @@ def test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts(runs_dir)
     optimizer state a resume must restore), checkpointed at step 3 of 6. Resumed on 2 ranks
     (the same cuts: each rank loads its chunk of the parameters the boundary cuts, and of
     their momentum) and resharded into ``single`` (whole tensors assembled from both ranks'
-    pieces), both finish like the uninterrupted run, to 1e-5 on every rank."""
+    pieces), both finish like the uninterrupted run, to 1e-5 on every rank; the zero2 resume's
+    own step-6 checkpoint holds every parameter and momentum of the uninterrupted run's, bit
+    for bit (the same cuts sum the same numbers), so no moment was lost at the resume.
+    (test_checkpoint_state.py looks at every moment of every ZeRO stage right after a resume.)"""
     run = {**RUN, "steps": 6}
     clean = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, checkpoint_every=3, **run)
     saved = clean.path / "checkpoints" / "step-00000003"
@@ -155,7 +158,8 @@ def test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts(runs_dir)
     assert cut, "no parameter straddles the two ranks' chunks: the case tests nothing"
     assert all(states["rank1.pt"]["optim"][name]["momentum_buffer"]["data"].abs().max() > 0
                for name in cut), "the momentum of a cut parameter is zero at the checkpoint"
-    resumed = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, resume=str(saved), **run)
+    resumed = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, resume=str(saved),
+                          checkpoint_every=3, **run)
     one = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, resume=str(saved), **run)
     want = final_state(clean)
     for later in (resumed, one):
@@ -167,6 +171,8 @@ def test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts(runs_dir)
             mine = final_state(later, r)
             diff, name = max(((mine[k] - want[k]).abs().max().item(), k) for k in want)
             assert diff < 1e-5, f"{later.path.name} rank {r}: {name} differs by {diff:.2e}"
+    end = "checkpoints/step-00000006"
+    assert_same_checkpoint(checkpoint.Reader(resumed.path / end), checkpoint.Reader(clean.path / end))
 
 
 class _Replica:

@@ -1,6 +1,7 @@
 """Checkpoints that do not fit are refused, before start where that can be known, naming the
-file or the difference: another model, an edited manifest, a missing file or piece, nothing
-left to run. Another layout is not a difference: pieces reshard."""
+file or the difference: another model, another optimizer or learning rate, an edited manifest,
+a missing file or piece, nothing left to run. Another layout is not a difference: pieces
+reshard."""
 from __future__ import annotations
 
 import json
@@ -70,6 +71,39 @@ def test_resume_at_or_past_the_last_step_is_refused(tmp_path):
     _refused(tmp_path, "checkpoint is at step 8 and steps=8: nothing to run; raise steps",
              resume=str(ckpt))
     _refused(tmp_path, "checkpoint is at step 8 and steps=5", resume=str(ckpt), steps=5)
+
+
+def test_resume_with_another_optimizer_or_lr_is_refused_before_start(tmp_path):
+    """The checkpoint holds Adam's moments at lr=0.003 (its manifest says so): SGD cannot start
+    from them (every rank would fail on a missing ``exp_avg``), and another rate would be
+    overwritten by the checkpoint's, training at 0.003 while config.json said 0.01. Each is
+    refused saying what to set."""
+    ckpt = _saved(tmp_path)
+    _refused(tmp_path, r"holds the state of optimizer='adam' and this run has optimizer='sgd'"
+             r".*set optimizer='adam' \(--optimizer adam\)", resume=str(ckpt), optimizer="sgd")
+    _refused(tmp_path, r"trained at lr=0.003 and this run asks for lr=0.01.*set lr=0.003 "
+             r"\(--lr 0.003\)", resume=str(ckpt), optimizer="adam", lr=0.01)
+    ok = RunConfig("single", world_size=1, steps=8, resume=str(ckpt), model_options=GPT2)
+    assert (ok.optimizer, ok.lr) == ("adam", 0.003) and problems(ok) == []
+
+
+def test_a_checkpoint_that_predates_the_recorded_optimizer_is_judged_by_its_hparams(tmp_path):
+    """A manifest without ``optimizer`` and ``lr`` (written before dlab recorded them) is
+    judged on load by the optimizer's own hyper-parameters: ``_saved``'s Adam ran at torch's
+    default rate, 0.001."""
+    ckpt = _saved(tmp_path)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for key in ("optimizer", "lr", "digest"):
+        manifest.pop(key)
+    manifest["digest"] = checkpoint._digest(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    settings = checkpoint.Reader(ckpt).settings()
+    assert settings == {"optimizer": "adam", "lr": 0.001}
+    cfg = RunConfig("single", world_size=1, steps=8, resume=str(ckpt), optimizer="sgd",
+                    model_options=GPT2)
+    assert problems(cfg) == []  # nothing to judge before start: the worker judges on load
+    found = checkpoint.settings_problems(cfg, settings, ckpt)
+    assert len(found) == 2 and "optimizer='sgd'" in found[0] and "lr=0.001" in found[1]
 
 
 def test_an_edited_manifest_is_refused_naming_it(tmp_path):

@@ -1,10 +1,16 @@
 """The dynamic loss scaler against a run of fp16 arithmetic worked by hand: a gradient that
 underflows unscaled survives scaled, an overflow skips the step and halves the scale, and
-clean steps grow it back."""
+clean steps grow it back; a run whose scaler skipped every step, or whose loss ends NaN, ends
+failed with its skipped steps in its metrics and summary."""
+import math
+
 import pytest
 import torch
+from helpers import TINY_GPT
 
+import dlab
 from dlab.core.precision import LossScaler
+from dlab.worker.train import learned_nothing
 
 
 def test_scaled_gradient_survives_fp16_where_the_unscaled_one_underflows():
@@ -34,3 +40,34 @@ def test_overflow_skips_the_step_halves_the_scale_and_clean_steps_double_it():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="factor > 1"):
         LossScaler(factor=1.0)
+
+
+@pytest.mark.parametrize("last_loss,taken,skipped,says", [
+    (float("nan"), 5, 4, "its last loss is nan"),
+    (float("inf"), 3, 0, "its last loss is inf"),
+    (2.5, 3, 3, "skipped every one of its 3 steps"),
+    (2.5, 5, 4, None),  # it overflowed often, but it ends on a finite loss: it trained
+    (float("nan"), 0, 0, None),  # a restart after the last checkpoint takes no step
+])
+def test_the_rule_a_run_that_learned_nothing_fails_by(last_loss, taken, skipped, says):
+    why = learned_nothing(last_loss, taken, skipped)
+    assert why == says if says is None else says in why
+
+
+def test_a_run_that_learns_nothing_ends_failed_with_its_skipped_steps_shown(runs_dir):
+    """fp16 at a rate that sends the weights past fp16's range: the loss is NaN from step 1 and
+    every later step is skipped. The run ends failed (the CLI then exits 1), every step's record
+    says whether it was skipped and at what scale, and the summary says how many were."""
+    with pytest.raises(dlab.RunFailed, match="learned nothing: its last loss is nan"):
+        dlab.launch("single", 1, runs_dir=runs_dir, wait=True, options={"precision": "fp16"},
+                    **{**TINY_GPT, "lr": 1e4, "steps": 4})
+    (path,) = runs_dir.iterdir()
+    run = dlab.attach(path)
+    assert run.state == "failed"
+    records = run.metrics(0)
+    assert [m["skipped"] for m in records] == [False, True, True, True]
+    assert [m["loss_scale"] for m in records] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
+    assert math.isnan(records[-1]["loss"])
+    notes = "\n".join(run.summary().notes())
+    assert "3 of 4 steps skipped by the loss scaler" in notes
+    assert "the loss was not finite at 3 of 4 steps" in notes

@@ -19,10 +19,14 @@ MFU counts the model's FLOPs, HFU the hardware's: the forwards that activation r
 runs again are in HFU only (``dlab.worker.train``). ``busy_s_per_step`` and ``idle_s_per_step`` are
 means over the same steps (a straggler slow for a few steps must not vanish under a median):
 the rank's own work and its waiting (``dlab.core.events.BUSY_KINDS``); ``stragglers()`` names the
-ranks the others wait for.
+ranks the others wait for. ``skipped_steps`` counts the steps fp16's loss scaler skipped (an inf
+or NaN gradient somewhere: no rank applied the step), ``nonfinite_losses`` the steps whose loss
+was NaN or inf; the notes say both where they are not zero, as a run that learns nothing must
+not read like one that trained (``dlab.worker.train.learned_nothing``).
 """
 from __future__ import annotations
 
+import math
 import statistics
 
 from dlab.analysis.steps import peak_memory, steady, wire_per_step
@@ -81,6 +85,9 @@ class Summary:
                 "comm_busy_s_per_step": _comm_time(counted, "busy_seconds"),
                 "busy_s_per_step": _mean([m["busy_s"] for m in counted if "busy_s" in m]),
                 "idle_s_per_step": _mean([m["idle_s"] for m in counted if "idle_s" in m]),
+                "skipped_steps": sum(bool(m.get("skipped")) for m in ms),
+                "nonfinite_losses": sum(not math.isfinite(m["loss"]) for m in ms),
+                "loss_scale": ms[-1].get("loss_scale"),
             })
         return cls(run.path.name, run.state, rows)
 
@@ -140,13 +147,28 @@ class Summary:
     def notes(self) -> list[str]:
         """What the byte columns are; the wire column is blank where it cannot be measured;
         which rank, if any, the others wait for."""
-        out = self.stragglers() + [
+        out = self.stragglers() + self.precision_notes() + [
             "model comm: ring model for the backend's collectives, the algorithm's own count "
             "for dlab's; wire: measured bytes written to the transport",
             "comm busy: time some collective was in flight (union of their spans); comm exposed: "
             "the part of it no computation of the rank covered"]
         if any(r.get("steps") and r.get("comm_wire_per_step") is None for r in self.rows):
             out.append(f"wire: {NOT_MEASURABLE}")
+        return out
+
+    def precision_notes(self) -> list[str]:
+        """One sentence per rank with steps the loss scaler skipped or losses that were not
+        finite (ranks take one decision and log one loss, so they read alike)."""
+        out = []
+        for r in self.rows:
+            skipped, bad = r.get("skipped_steps", 0), r.get("nonfinite_losses", 0)
+            if skipped:
+                out.append(f"rank {r['rank']}: {skipped} of {r['steps']} steps skipped by the "
+                           f"loss scaler (an inf or NaN gradient; the last scale "
+                           f"{r.get('loss_scale'):g})")
+            if bad:
+                out.append(f"rank {r['rank']}: the loss was not finite at {bad} of {r['steps']} "
+                           f"steps")
         return out
 
     __repr__ = __str__

@@ -18,6 +18,7 @@ from dlab.core.config import RunConfig
 from dlab.core.events import Timeline
 from dlab.core.metrics import ActivationMeter, model_state_memory
 from dlab.core.options import Option
+from dlab.core.precision import LossScaler
 from dlab.layout import Layout, shape
 from dlab.layout.schedules import Schedule
 from dlab.models.moe import moe_stats
@@ -143,6 +144,10 @@ class Strategy:
 
     #: every rank holds the whole model and optimizer (a checkpoint needs rank 0's part only)
     replicated = False
+    #: fp16's dynamic loss scaler (``dlab.core.precision.LossScaler``) where the strategy scales
+    #: its loss: the loop records its decisions (a skipped step, the scale) in every step's
+    #: metrics and checkpoints save and restore its state
+    scaler: LossScaler | None = None
 
     def checkpoint_state(self) -> dict:
         """This rank's part of a checkpoint: ``{"params": {name: piece}, "optim": {name: {key:

@@ -21,6 +21,7 @@ from dlab.parallel import register
 from dlab.parallel.base import BUCKET_CAP_MB, Option, WholeModel, data_parallel_problems
 from dlab.parallel.data_parallel import compression
 from dlab.parallel.mixed import PRECISION, fp32_master, precision_of, refresh, scaled_step
+from dlab.runtime import checkpoint
 from dlab.theory import memory
 
 #: PyTorch's compression hooks, the peers of ``ddp``'s ``compress`` options
@@ -102,6 +103,15 @@ class Single(WholeModel):
         mem["optimizer"] += storage_bytes(self.masters)
         mem["gradients"] += storage_bytes(m.grad for m in self.masters if m.grad is not None)
         return mem
+
+    def checkpoint_state(self):
+        """A replica's, the fp32 masters saved as the parameters in mixed precision."""
+        return checkpoint.replica_state(self.model, self.optimizer, self.masters)
+
+    def load_checkpoint_state(self, reader):
+        """The masters loaded (from a checkpoint of any precision and layout: its parameters
+        are fp32), the working copy rounded from them."""
+        checkpoint.load_replica(self.model, self.optimizer, reader, self.masters)
 
     def full_state_dict(self):
         """The fp32 masters in mixed precision (the exact values), else the model's own."""

@@ -20,14 +20,22 @@ ShardedTensor layouts; ZeRO's flat, padded shards cut parameters at arbitrary of
   an error naming the file. The manifest carries its own ``digest``: the SHA-256 of its
   canonical JSON (sorted keys, no spaces) without that field, so an edited step or file list
   is refused too. A tensor the pieces do not wholly cover is refused, naming it.
-- what wrote it: the model (``model``, ``model_config``) and the layout (``layout``: strategy,
-  world size, options). A resume into another model is refused before start
-  (``resume_problems``); another layout is fine (that is resharding), and so is another way of
+- what wrote it: the model (``model``, ``model_config``), the layout (``layout``: strategy,
+  world size, options) and the optimizer (``optimizer``, ``lr``). A resume into another model
+  is refused before start (``resume_problems``), and so is one with another optimizer (its state
+  has other keys: Adam's moments are no SGD momentum) or another learning rate (dlab has no
+  learning-rate schedule: a run trains at one rate, the checkpoint's hyper-parameters carry it,
+  and a resume that asked for another would train at the checkpoint's while its config.json
+  said otherwise). Another layout is fine (that is resharding), and so is another way of
   running the same model (``GPTConfig.EXECUTION_FIELDS``: activation recomputation, the
-  attention core).
+  attention core) and another precision: the parameters saved are the fp32 values the
+  optimizer steps (``dlab.parallel.mixed``: the masters in mixed precision), from which a
+  16-bit working copy is derived on load, whatever precision wrote them.
 - safe loading: ``torch.load(weights_only=True)`` - tensors and plain containers only.
-- exact resume: model, optimizer state and hyper-parameters, the step (the data position: the
-  global batch is a function of the step) and every rank's RNG state.
+- exact resume, in every precision: the parameters (fp32 masters), optimizer state and
+  hyper-parameters, fp16's loss scaler (``scaler``: its scale, its clean-step count towards the
+  next growth, its skipped steps), the step (the data position: the global batch is a function
+  of the step) and every rank's RNG state.
 - asynchronous saving: the state is copied to CPU memory while training waits; a thread writes
   it while training goes on. Completion is signalled through files (``rankR.done``), never by a
   collective off the main thread (Gloo collectives from a second thread race the training ones).
@@ -70,7 +78,8 @@ def run_meta(config) -> dict:
     return {"strategy": config.strategy, "model": config.model,
             "model_config": asdict(config.model_config()),
             "layout": {"strategy": config.strategy, "world_size": config.world_size,
-                       "options": config.options}}
+                       "options": config.options},
+            "optimizer": config.optimizer, "lr": config.lr}
 
 
 # --- pieces -----------------------------------------------------------------------------------
@@ -134,6 +143,9 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         state = strategy.checkpoint_state()
         state.update(step=step, rank=self.rank, rng=torch.get_rng_state())
+        scaler = getattr(strategy, "scaler", None)  # fp16's (``Strategy.scaler``), every rank's alike
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
         if self.device.type == "cuda":  # dropout and sampling on the GPU draw from its own generator
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         writers = [0] if strategy.replicated else list(range(self.world_size))
@@ -303,10 +315,31 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
+def settings_problems(config, recorded: dict, where: Path) -> list[str]:
+    """Why ``config`` cannot go on from a checkpoint trained with ``recorded`` (``optimizer``,
+    ``lr``; a key that is None is not known and not checked): what it holds would not be
+    honoured. Another optimizer's state has other keys (every rank would fail on Adam's missing
+    ``exp_avg``); another learning rate would be overwritten by the checkpoint's
+    hyper-parameters, so the run would train at the old rate while its config said the new."""
+    p = []
+    optimizer, lr = recorded.get("optimizer"), recorded.get("lr")
+    if optimizer is not None and optimizer != config.optimizer:
+        p.append(f"resume: the checkpoint {where} holds the state of optimizer={optimizer!r} and "
+                 f"this run has optimizer={config.optimizer!r}, which cannot start from it; set "
+                 f"optimizer={optimizer!r} (--optimizer {optimizer}) or start without resume")
+    if lr is not None and lr != config.lr:
+        p.append(f"resume: the checkpoint {where} was trained at lr={lr} and this run asks for "
+                 f"lr={config.lr}; a resume goes on at the checkpoint's rate (dlab has no "
+                 f"learning-rate schedule), so set lr={lr} (--lr {lr}), or start without resume")
+    return p
+
+
 def resume_problems(config, path: str | Path) -> list[str]:
     """Why ``config`` cannot resume from the checkpoint at ``path`` (a checkpoint or a run
-    directory): a manifest that does not verify, another model, or nothing left to run. The
-    layout (strategy, world size, options) may differ: pieces reshard."""
+    directory): a manifest that does not verify, another model, another optimizer or learning
+    rate (``settings_problems``), or nothing left to run. The layout (strategy, world size,
+    options, precision included) may differ: pieces reshard, and masters are fp32 in every
+    precision."""
     where = find(path)
     try:
         manifest = read_manifest(where)
@@ -332,6 +365,8 @@ def resume_problems(config, path: str | Path) -> list[str]:
             p.append("resume: the checkpoint " + str(where) + " does not fit this model: " + ", ".join(
                 f"checkpoint has {k}={theirs.get(k)!r}, this run {k}={mine.get(k)!r}" for k in differ)
                 + "; set the same model_options or start without resume")
+    # a checkpoint written before the manifest recorded them is checked on load (Reader.settings)
+    p += settings_problems(config, manifest, where)
     step = manifest.get("step", 0)
     if isinstance(config.steps, int) and step >= config.steps:
         p.append(f"resume: the checkpoint is at step {step} and steps={config.steps}: nothing to "
@@ -392,6 +427,23 @@ class Reader:
     def hparams(self) -> list[dict]:
         return next(iter(self.states.values()))["hparams"]
 
+    def settings(self) -> dict:
+        """The ``optimizer`` and ``lr`` the checkpoint was trained with: the manifest's, or, in
+        one written before the manifest recorded them, read off the optimizer's
+        hyper-parameters (Adam's groups have ``betas``, SGD's ``momentum``)."""
+        if "optimizer" in self.manifest:
+            return {"optimizer": self.manifest["optimizer"], "lr": self.manifest.get("lr")}
+        groups = self.hparams()
+        if not groups:
+            return {}
+        kind = "adam" if "betas" in groups[0] else "sgd" if "momentum" in groups[0] else None
+        return {"optimizer": kind, "lr": groups[0].get("lr")}
+
+    def scaler(self) -> dict | None:
+        """fp16's loss scaler state (``LossScaler.state_dict``) when the run that wrote it had
+        one; every rank's is the same."""
+        return next(iter(self.states.values())).get("scaler")
+
     def rng(self, rank: int, generator: str = "rng") -> torch.Tensor | None:
         """Rank ``rank``'s saved state of the CPU generator (``"rng"``) or of its GPU's
         (``"cuda_rng"``, None when it was written on the CPU); a rank the checkpoint has no file
@@ -404,24 +456,38 @@ class Reader:
 
 # --- the state of a whole-model replica (single, torch-ddp, dlab's data parallelism) ----------
 
-def replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  masters: list[torch.Tensor] | None = None) -> dict:
     """Parameters by name and the optimizer's per-parameter state, all whole tensors.
-    The optimizer was built on ``model.parameters()``, so its i-th tensor is the i-th name."""
+    The optimizer was built on ``model.parameters()``, or on ``masters`` (mixed precision: the
+    fp32 copies it steps, one per parameter in the same order), so its i-th tensor is the i-th
+    name; the parameters saved are the optimizer's own (the masters: the exact values, of which
+    the 16-bit model is a rounding)."""
     names = [n for n, _ in model.named_parameters()]
+    held = masters if masters else [p for _, p in model.named_parameters()]
     sd = optimizer.state_dict()
     optim = {}
     for i, name in enumerate(names):
         optim[name] = {k: (piece(v) if v.dim() else v.detach().to("cpu", copy=True))
                        for k, v in sd["state"].get(i, {}).items()}
-    return {"params": {n: piece(p) for n, p in model.named_parameters()}, "optim": optim,
+    return {"params": {n: piece(p) for n, p in zip(names, held, strict=True)}, "optim": optim,
             "hparams": [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]}
 
 
-def load_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader: Reader) -> None:
+def load_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader: Reader,
+                 masters: list[torch.Tensor] | None = None) -> None:
+    """The inverse of ``replica_state``: with ``masters``, the checkpoint's fp32 values go into
+    them and the model's working copy is derived from them (rounded once to its dtype), as after
+    an optimizer step."""
     names = [n for n, _ in model.named_parameters()]
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(reader.tensor("params", name).view_as(p))
+        for i, (name, p) in enumerate(model.named_parameters()):
+            saved = reader.tensor("params", name).view_as(p)
+            if masters:
+                masters[i].copy_(saved)
+                p.copy_(masters[i])
+            else:
+                p.copy_(saved)
     state = {i: {k: reader.tensor("optim", n, k) for k in reader.keys(n)}
              for i, n in enumerate(names) if reader.keys(n)}
     groups = [dict(h, params=g["params"]) for h, g in

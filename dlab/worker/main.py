@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dlab import parallel
 from dlab.comm.instrumented import Comm
-from dlab.core.config import RunConfig, add_arguments, from_args
+from dlab.core.config import ConfigError, RunConfig, add_arguments, from_args
 from dlab.core.events import Timeline
 from dlab.core.rundir import RunDir
 from dlab.parallel.base import Context
@@ -171,7 +171,9 @@ def _gathered(obj) -> list:
 
 def _resume(cfg, run: RunDir, strategy, rank_: int, attempt: int) -> int:
     """The step to start from: a restarted attempt takes this run's newest checkpoint; otherwise
-    ``resume`` names one ("latest", a checkpoint directory, or another run's directory)."""
+    ``resume`` names one ("latest", a checkpoint directory, or another run's directory). The
+    strategy takes its state, fp16's loss scaler its own (a checkpoint of a run without one, an
+    fp32 or bf16 run, leaves it fresh), every rank its RNG."""
     if attempt or cfg.resume == "latest":
         path = checkpoint.latest(run / "checkpoints")
     elif cfg.resume:
@@ -181,7 +183,14 @@ def _resume(cfg, run: RunDir, strategy, rank_: int, attempt: int) -> int:
     if path is None:
         return 0
     reader = checkpoint.Reader(path)
+    # a checkpoint whose manifest predates its optimizer and lr (and "latest", which launch
+    # could not look at) is checked here, before its state is taken
+    refused = checkpoint.settings_problems(cfg, reader.settings(), path)
+    if refused:
+        raise ConfigError("this run cannot resume:\n  - " + "\n  - ".join(refused))
     strategy.load_checkpoint_state(reader)
+    if strategy.scaler is not None and reader.scaler() is not None:
+        strategy.scaler.load_state_dict(reader.scaler())
     torch.set_rng_state(reader.rng(rank_))
     cuda_rng = reader.rng(rank_, "cuda_rng")
     if cuda_rng is not None and torch.cuda.is_available():

@@ -19,9 +19,15 @@ Utilization against the device's peak: ``mfu`` counts the FLOPs the model needs
 (``flops_per_token``), ``hfu`` the FLOPs the hardware ran, the forwards that activation
 recomputation repeats included (``hardware_flops_per_token``); without recomputation they are
 equal (Chowdhery et al. 2022, app. B).
+
+A strategy that scales its loss (fp16, ``Strategy.scaler``) adds ``skipped`` (the step found an
+inf or NaN gradient on some rank and no rank applied it) and ``loss_scale`` (the scale the
+step's loss was multiplied by). A run that took its steps and learned nothing ends failed, not
+ok (``learned_nothing`` states the rule).
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -102,6 +108,31 @@ def _step_comm_times(strategy: Strategy, events: list[dict], t0: float,
                       work, window)
 
 
+class TrainingDiverged(RuntimeError):
+    """The run took every step and learned nothing (``learned_nothing``); every rank raises it,
+    so the run ends failed."""
+
+
+def learned_nothing(last_loss: float, taken: int, skipped: int) -> str | None:
+    """Why a run that took ``taken`` steps, ``skipped`` of them skipped by the loss scaler, the
+    last with the loss ``last_loss``, learned nothing; None where it trained. The rule: its last
+    loss is not finite (NaN or inf: the weights, or the activations they give, are gone, and
+    fp16's skipping cannot bring them back), or the scaler skipped every step it took (every
+    step overflowed somewhere: not one update was applied). Some skipped steps in a run that
+    ends on a finite loss are dynamic loss scaling working as designed (Micikevicius et al.
+    2018, sec. 3.2: the scale is lowered until the gradients fit), and so is a loss that was
+    not finite on the way but finite at the end. A run with no step to take (restarted after
+    its last checkpoint) has nothing to judge."""
+    if not taken:
+        return None
+    if not math.isfinite(last_loss):
+        return (f"its last loss is {last_loss} ({skipped} of its {taken} steps skipped by the "
+                f"loss scaler)")
+    if skipped == taken:
+        return f"the loss scaler skipped every one of its {taken} steps (every step overflowed)"
+    return None
+
+
 def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
           checkpointer: Checkpointer | None = None, attempt: int = 0,
           preemption: Preemption | None = None) -> None:
@@ -114,8 +145,14 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
 
     ``busy_s`` in the metrics is the step's time in the rank's own work (``BUSY_KINDS``) and
     ``idle_s`` the rest of ``step_time``: waiting for peers or for bytes. One slow rank shows as
-    the one whose busy time is high and idle time low while every other rank idles."""
+    the one whose busy time is high and idle time low while every other rank idles.
+
+    A run that ends having learned nothing (``learned_nothing``) raises ``TrainingDiverged``
+    after its last step and checkpoint, on every rank alike (their losses are the same global
+    mean and their scalers take one decision), so it ends failed with a message saying why."""
     cfg = ctx.config
+    scaler = strategy.scaler
+    first, skipped, loss = state.get("step", 0), 0, float("nan")
     data = make_data(cfg)
     tokens = data.tokens_per_batch()
     model = cfg.model_config()
@@ -131,6 +168,7 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
         before, before_dims = _comm_totals(strategy), _dim_totals(strategy)
         for c in strategy.comms():
             c.spans = []
+        scaled = (scaler.scale, scaler.skipped) if scaler is not None else None
         start, wall, cpu = time.perf_counter(), ctx.timeline.now(), time.process_time()
         if delay:
             with ctx.timeline.span("straggle", delay_s=delay):
@@ -156,6 +194,9 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
             "comm": comm, "comm_by_op": comm_by_op,
             **strategy.step_extras(),
         }
+        if scaled is not None:
+            record["loss_scale"], record["skipped"] = scaled[0], scaler.skipped > scaled[1]
+            skipped += record["skipped"]
         if before_dims:
             record["comm_by_dim"] = {dim: _delta(s, before_dims[dim])
                                      for dim, s in _dim_totals(strategy).items()}
@@ -176,4 +217,10 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
             return
     if checkpointer:
         checkpointer.wait()
+    why = learned_nothing(loss, cfg.steps - first, skipped)
+    if why is not None:
+        raise TrainingDiverged(
+            f"the run learned nothing: {why}. Lower lr (it is {cfg.lr:g}); under fp16 a loss "
+            f"that overflows needs a lower lr, or bf16 (fp32's range, no loss scaling); each "
+            f"step's 'loss' and 'skipped' are in the metrics")
     state["step"] = cfg.steps
