@@ -41,17 +41,11 @@ from dlab.theory.plan.predict import PlanError, plan
 from dlab.theory.plan.ranges import step_range
 from dlab.theory.plan.spec import from_gpt
 
-#: the data-parallel strategies whose layout is every rank a replica, at their ZeRO stage
-REPLICAS = {"single": 0, "ddp": 0, "dp-naive": 0, "torch-ddp": 0, "zero1": 1, "zero2": 2,
-            "zero3": 3, "torch-fsdp2": 3}
-
 
 def run_layout(config: RunConfig) -> Layout | None:
-    """The run's layout: its strategy's, a data-parallel one, or None."""
-    if config.strategy in REPLICAS:
-        return Layout(dp=config.world_size, zero=REPLICAS[config.strategy] if config.world_size > 1 else 0)
+    """The run's layout as its strategy states it (``Strategy.planned_layout``), or None."""
     try:
-        return parallel.get(config.strategy).layout(config)
+        return parallel.get(config.strategy).planned_layout(config)
     except ValueError:
         return None
 

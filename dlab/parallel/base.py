@@ -104,6 +104,24 @@ class Strategy:
         strategy that splits the model over one; None for one whose every rank holds it whole."""
         return None
 
+    @classmethod
+    def replica_zero(cls) -> int | None:
+        """For a data-parallel strategy (every rank a replica of the model, one gradient
+        reduction per step over all of them), the ZeRO stage its state is sharded at (0: not at
+        all); None for any other (a parameter server, local SGD, a split model)."""
+        return None
+
+    @classmethod
+    def planned_layout(cls, config: RunConfig) -> Layout | None:
+        """The layout the planner prices the run as (``dlab.analysis.prediction``): the one it
+        splits the model over, or every rank a replica at its ZeRO stage; None where the
+        planner has none for it."""
+        lay = cls.layout(config)
+        zero = cls.replica_zero()
+        if lay is None and zero is not None:
+            return Layout(dp=config.world_size, zero=zero if config.world_size > 1 else 0)
+        return lay
+
     # --- its own theory (class level: the dashboard and ``check`` ask it, no name tables) ---
     @classmethod
     def predicted_state(cls, config: RunConfig, rank: int) -> dict[str, int] | None:

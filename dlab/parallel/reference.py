@@ -39,6 +39,11 @@ class Single(WholeModel):
     compute-dtype logits; fp16 scales it (``LossScaler``). One micro-batch: ``bf16-fp32-grads``
     differs from ``bf16`` only in the bytes it holds (the fp32 gradient is kept, the bf16 one
     dropped), not in the numbers."""
+
+    @classmethod
+    def replica_zero(cls) -> int:
+        return 0
+
     world_sizes = (1,)
     trains_moe_options = True
     OPTIONS = {"precision": PRECISION}
@@ -159,6 +164,10 @@ class TorchDDP(WholeModel):
       the next one starts (``_counting_powersgd_hook`` says why), so it does not overlap
       backward; dlab's ``powersgd`` runs on its communication thread and does.
     """
+
+    @classmethod
+    def replica_zero(cls) -> int:
+        return 0
 
     OPTIONS = {
         "bucket_cap_mb": BUCKET_CAP_MB,

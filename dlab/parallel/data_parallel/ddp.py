@@ -60,6 +60,10 @@ def ddp_options(config) -> tuple[float, int, str]:
 class DistributedDataParallel(Replica):
     """Data parallelism with buckets all-reduced from autograd hooks, overlapping backward."""
 
+    @classmethod
+    def replica_zero(cls) -> int:
+        return 0
+
     OPTIONS = {
         "bucket_cap_mb": BUCKET_CAP_MB,
         "accumulation": Option("int", "micro-batches per step (gradient accumulation)", default=1,

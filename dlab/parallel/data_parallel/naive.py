@@ -19,6 +19,10 @@ from dlab.parallel.data_parallel.replica import Replica
 class NaiveDataParallel(Replica):
     """Data parallelism, naive: one blocking all-reduce per gradient tensor after backward."""
 
+    @classmethod
+    def replica_zero(cls) -> int:
+        return 0
+
     def step(self, batch):
         x, y = self.my_shard(batch)
         comm, tl = self.ctx.comm, self.ctx.timeline

@@ -91,6 +91,10 @@ class ZeroStrategy(Strategy):
     """Base of ``zero1`` / ``zero2`` / ``zero3``; a subclass supplies the gradient and
     parameter handling around the shared step."""
 
+    @classmethod
+    def replica_zero(cls) -> int:
+        return cls.stage
+
     stage = 0
     OPTIONS = {**BOOL_OPTIONS, **REDUCE_SCATTER}
 

@@ -54,6 +54,10 @@ class ParamMeter(ActivationMeter):
 class TorchFSDP2(Strategy):
     """PyTorch's FSDP2 (fully_shard per block), the peer for ZeRO-3."""
 
+    @classmethod
+    def replica_zero(cls) -> int:
+        return 3  # fully_shard: parameters, gradients and optimizer state sharded (ZeRO-3)
+
 
     OPTIONS = BOOL_OPTIONS
 
