@@ -5,6 +5,7 @@ each group), ``schedules`` (a pipeline's action lists), ``stages`` (which blocks
 holds), ``tokens`` (which positions each context-parallel rank holds). The strategies build
 process groups and models from these; the formulas and the planner reason about them.
 """
-from dlab.layout.layout import CP_ATTENTION, MESH_ORDER, SCHEDULES, Layout, Shape, shape
+from dlab.layout.layout import CP, CP_ATTENTION, DP, EP, MESH_ORDER, PP, SCHEDULES, TP, Layout, Shape, shape
 
-__all__ = ["CP_ATTENTION", "MESH_ORDER", "SCHEDULES", "Layout", "Shape", "shape"]
+__all__ = ["CP", "CP_ATTENTION", "DP", "EP", "MESH_ORDER", "PP", "SCHEDULES", "TP", "Layout", "Shape",
+           "shape"]

@@ -39,8 +39,11 @@ from dataclasses import dataclass, replace
 
 from dlab.layout import schedules, tokens
 
+#: the mesh's axes, named once (torchtitan names its mesh's dimensions once too): the same
+#: strings are a ``Layout``'s degree fields and the options that set them
+PP, DP, CP, TP, EP = "pp", "dp", "cp", "tp", "ep"
 #: the mesh's dimensions, outermost first (tp varies fastest)
-MESH_ORDER = ("pp", "dp", "cp", "tp")
+MESH_ORDER = (PP, DP, CP, TP)
 #: the pipeline schedules a layout may run (``naive``: one micro-batch, one stage busy at a time)
 SCHEDULES = tuple(schedules.SCHEDULES)
 #: how context parallelism attends across its ranks (``dlab.parallel.context.attention``)
@@ -126,7 +129,7 @@ class Layout:
     @property
     def dims(self) -> dict[str, int]:
         """The mesh's degrees, outermost first (``MESH_ORDER``)."""
-        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+        return {PP: self.pp, DP: self.dp, CP: self.cp, TP: self.tp}
 
     @property
     def world(self) -> int:

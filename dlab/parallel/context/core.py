@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from dlab.core.options import Option
-from dlab.layout import tokens
+from dlab.layout import CP, tokens
 from dlab.parallel.context import attention as cores
 
 ATTENTION = {"ring": cores.ring_attention, "allgather": cores.allgather_attention,
@@ -20,11 +20,11 @@ ULYSSES = Option("int", "Ulysses ranks per group under attention='usp' (the ring
 def attention_core(attention: str, mesh, positions: list, timeline=None, ulysses: int = 2):
     """The attention core over ``mesh``'s cp dimension, and the Comms it talks over."""
     if attention == "usp":
-        heads, across = mesh.folded(("cp",), ulysses)
+        heads, across = mesh.folded((CP,), ulysses)
         ring = cores.Hybrid(heads, across, positions, timeline)
         return functools.partial(cores.usp_attention, ring=ring), [heads, across]
-    ring = cores.Ring(mesh.comm("cp"), positions, timeline)
-    return functools.partial(ATTENTION[attention], ring=ring), [mesh.comm("cp")]
+    ring = cores.Ring(mesh.comm(CP), positions, timeline)
+    return functools.partial(ATTENTION[attention], ring=ring), [mesh.comm(CP)]
 
 
 def apply_context_parallel(model, mesh, lay, seq_len: int, device, timeline=None):
@@ -36,4 +36,4 @@ def apply_context_parallel(model, mesh, lay, seq_len: int, device, timeline=None
     core, comms = attention_core(lay.cp_attention, mesh, positions, timeline, lay.ulysses)
     for block in model.blocks:
         block.attn.core = core
-    return positions[mesh.rank("cp")], comms
+    return positions[mesh.rank(CP)], comms

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dlab.comm.instrumented import reduce_scatter_option
 from dlab.core.metrics import ActivationMeter
-from dlab.layout import Layout, tokens
+from dlab.layout import CP, DP, Layout, tokens
 from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, WholeModel
@@ -70,7 +70,7 @@ class ContextParallel(WholeModel):
         self.dp = lay.dp
         self.mesh = Mesh.of(lay, device_type=ctx.device.type)
         self.model = self.build_model()
-        self.mesh.comm("cp").reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
+        self.mesh.comm(CP).reduce_scatter_algorithm = reduce_scatter_option(ctx.config)
         self.positions, self.attention_comms = apply_context_parallel(
             self.model, self.mesh, lay, ctx.config.model_config().seq_len, ctx.device, ctx.timeline)
         self.params = list(self.model.parameters())
@@ -79,7 +79,7 @@ class ContextParallel(WholeModel):
 
     def step(self, batch):
         tl, comm = self.ctx.timeline, self.ctx.comm
-        mine = shard(batch, self.mesh.rank("dp"), self.dp)
+        mine = shard(batch, self.mesh.rank(DP), self.dp)
         x, y = (t[:, self.positions.cpu()].to(self.ctx.device) for t in mine)
         self.optimizer.zero_grad(set_to_none=True)
         self.meter.reset_peak()

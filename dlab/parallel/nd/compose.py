@@ -7,7 +7,7 @@ stages' parameters sharded over the data ranks (ZeRO/FSDP shards what is left on
 """
 from __future__ import annotations
 
-from dlab.layout import Layout
+from dlab.layout import CP, DP, PP, TP, Layout
 from dlab.parallel.context.core import apply_context_parallel
 from dlab.parallel.expert.dispatch import global_expert_name, keep_local_experts
 from dlab.parallel.mesh import Mesh
@@ -17,7 +17,7 @@ from dlab.parallel.tensor.model import TensorParallelGPT
 
 #: the ranks that see different tokens of the same parameters: their gradients are reduced
 #: together and ZeRO shards over them (Megatron-Core shards its optimizer over dp x cp)
-DATA = ("dp", "cp")
+DATA = (DP, CP)
 
 
 def tensor_parallel(model, mesh: Mesh, lay: Layout, device):
@@ -25,7 +25,7 @@ def tensor_parallel(model, mesh: Mesh, lay: Layout, device):
     sequence parallelism outside them if asked (Korthikanti et al. 2022)."""
     if lay.tp == 1:
         return model
-    return TensorParallelGPT(model, mesh.comm("tp"), lay.sequence_parallel).to(device)
+    return TensorParallelGPT(model, mesh.comm(TP), lay.sequence_parallel).to(device)
 
 
 def expert_parallel(model, mesh: Mesh, lay: Layout, n_expert: int | None):
@@ -100,4 +100,4 @@ def tied_pair(model, mesh: Mesh, sched):
     first, last = sched.stage_rank[0], sched.stage_rank[-1]
     if not model.cfg.tied or first == last:
         return None
-    return mesh.subgroup(("pp",), select={"pp": (first, last)})
+    return mesh.subgroup((PP,), select={PP: (first, last)})

@@ -48,7 +48,7 @@ autograd sums the two uses itself.
 """
 from __future__ import annotations
 
-from dlab.layout import Layout
+from dlab.layout import PP, Layout
 from dlab.parallel import register
 from dlab.parallel.base import Option
 from dlab.parallel.nd.strategy import ND, PIPELINE_OPTIONS
@@ -70,7 +70,7 @@ class Pipeline(ND):
         ``model_problems`` says so before the layout is read)."""
         d, t = config.options.get("dp", 1), config.options.get("tp", 1)
         pp = config.world_size // (d * t) if config.world_size % (d * t) == 0 else 0
-        return Layout.from_options({**config.options, "pp": pp}, config.world_size,
+        return Layout.from_options({**config.options, PP: pp}, config.world_size,
                                    schedule=cls.schedule)
 
     @classmethod

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from dlab.layout import TP
 from dlab.parallel.tensor.model import TensorParallelGPT
 from dlab.runtime import checkpoint
 
@@ -43,12 +44,12 @@ def _cut(nd, name: str, local_shape) -> tuple[tuple[int, int, int] | None, list[
         return None, shape
     size = shape[dim]
     shape[dim] = size * nd.lay.tp
-    return (dim, nd.mesh.rank("tp") * size, size), shape
+    return (dim, nd.mesh.rank(TP) * size, size), shape
 
 
 def _writes(nd, sharding, name: str) -> bool:
     """Whether this rank writes its piece of ``name`` (another rank holds the same otherwise)."""
-    if nd.lay.tp > 1 and TensorParallelGPT.shard_dim(name) is None and nd.mesh.rank("tp") != 0:
+    if nd.lay.tp > 1 and TensorParallelGPT.shard_dim(name) is None and nd.mesh.rank(TP) != 0:
         return False
     if name == TIED and 0 not in nd.stages:  # the last stage's copy of the tied matrix
         return False

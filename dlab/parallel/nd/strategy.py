@@ -51,7 +51,7 @@ import torch.distributed as dist
 from dlab.comm.instrumented import reduce_scatter_option
 from dlab.core.metrics import ActivationMeter, Transient, optimizer_tensors, storage_bytes
 from dlab.core.precision import LossScaler
-from dlab.layout import SCHEDULES, Layout, ranks, tokens
+from dlab.layout import CP, DP, PP, SCHEDULES, TP, Layout, ranks, tokens
 from dlab.layout.stages import partition
 from dlab.models.data import make_data, shard
 from dlab.parallel import register
@@ -142,7 +142,7 @@ class ND(Strategy):
     def predicted_state(cls, config, rank):
         """``dlab.theory.nd.model_state`` of this rank's pipeline stage(s)."""
         lay = cls.layout(config)
-        pp_rank = ranks.coords(lay.dims, rank)["pp"]
+        pp_rank = ranks.coords(lay.dims, rank)[PP]
         state = nd_theory.model_state(config.model_config(), lay, pp_rank, config.optimizer,
                                       config.options.get("precision", "fp32"))
         return {k: state[k] for k in ("parameters", "gradients", "optimizer")}
@@ -152,14 +152,14 @@ class ND(Strategy):
         lay = cls.layout(config)
         if lay.pp == 1:
             return None
-        return lay.pipeline(), ranks.groups(lay.dims, ("pp",))
+        return lay.pipeline(), ranks.groups(lay.dims, (PP,))
 
     # --- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
         ctx, cfg = self.ctx, self.ctx.config
         self.lay = lay = self.layout(cfg)
         self.mesh = mesh = Mesh.of(lay, device_type=ctx.device.type)
-        self.pp_rank = mesh.rank("pp")
+        self.pp_rank = mesh.rank(PP)
         self.data_comm = mesh.subgroup(compose.DATA)
         for comm in (*mesh.comms.values(), self.data_comm):
             comm.reduce_scatter_algorithm = reduce_scatter_option(cfg)
@@ -200,7 +200,7 @@ class ND(Strategy):
         if self.store is not None:
             for st in self.stages.values():
                 split_linears(st, self.store)
-        self.executor = Executor(self.sched, self.pp_rank, self.stages, self.mesh.comm("pp"),
+        self.executor = Executor(self.sched, self.pp_rank, self.stages, self.mesh.comm(PP),
                                  ctx.timeline, self.meter, self.store, ctx.device, self.transient,
                                  recv_ahead=self.recv_ahead(cfg))
         self.executor.act_dtype = prec.compute
@@ -237,7 +237,7 @@ class ND(Strategy):
     # --- a step ---------------------------------------------------------------------------
     def step(self, batch):
         lay, tl = self.lay, self.ctx.timeline
-        x, y = shard(batch, self.mesh.rank("dp"), lay.dp)
+        x, y = shard(batch, self.mesh.rank(DP), lay.dp)
         if self.positions is not None:
             cols = self.positions.cpu()
             x, y = x[:, cols], y[:, cols]
@@ -256,7 +256,7 @@ class ND(Strategy):
                 self.tied_comm.all_reduce(self.dense.grad(self.stages_param("embed.tok.weight")))
         if self.sp_params:
             with tl.span("all_reduce", what="sequence_parallel"):
-                reduce_gradients(self.sp_params, self.mesh.comm("tp"), divide_by=1,
+                reduce_gradients(self.sp_params, self.mesh.comm(TP), divide_by=1,
                                  transient=self.transient)
         for s in self.shardings:
             s.reduce()
@@ -316,10 +316,10 @@ class ND(Strategy):
         mine = {}
         for s in self.shardings:
             mine.update(s.full_params())
-        tp = self.mesh.group("tp")
+        tp = self.mesh.group(TP)
         mine = {k: gather_shards(t, TensorParallelGPT.shard_dim(k) if self.lay.tp > 1 else None,
                                  tp).cpu().clone() for k, t in mine.items()}
-        groups = [self.mesh.group("pp")] + ([self.expert_comm.group] if self.expert_comm else [])
+        groups = [self.mesh.group(PP)] + ([self.expert_comm.group] if self.expert_comm else [])
         for group in groups:
             gathered = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, mine, group=group)
@@ -336,13 +336,13 @@ class ND(Strategy):
     def comms(self):
         extra = [self.data_comm, self.tied_comm, self.expert_comm, self.expert_data_comm]
         return list(self.mesh.comms.values()) + [c for c in extra if c is not None] + [
-            c for c in self.context_comms if c is not self.mesh.comm("cp")]
+            c for c in self.context_comms if c is not self.mesh.comm(CP)]
 
     def comms_by_dim(self):
         """Named as ``estimate.nd.step_bytes`` names its terms (the mesh's own dp group carries
         nothing: the data reduction runs over the dp x cp ranks)."""
-        named = {"tensor": self.mesh.comm("tp"), "context": self.context_comms or self.mesh.comm("cp"),
-                 "pipeline": self.mesh.comm("pp"), "tied": self.tied_comm, "data": self.data_comm,
+        named = {"tensor": self.mesh.comm(TP), "context": self.context_comms or self.mesh.comm(CP),
+                 "pipeline": self.mesh.comm(PP), "tied": self.tied_comm, "data": self.data_comm,
                  "expert": self.expert_comm, "expert_data": self.expert_data_comm}
         return {k: c for k, c in named.items() if c is not None}
 

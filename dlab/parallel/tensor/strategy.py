@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dlab.comm.instrumented import reduce_scatter_option
 from dlab.core.metrics import ActivationMeter, model_state_memory
-from dlab.layout import Layout
+from dlab.layout import DP, TP, Layout
 from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import REDUCE_SCATTER, Option, Strategy
@@ -60,7 +60,7 @@ class TensorParallel(TensorParallelLayout, Strategy):
         lay = self.layout(cfg)
         self.tp, self.sp, self.dp = lay.tp, lay.sequence_parallel, lay.dp
         self.mesh = Mesh.of(lay, device_type=self.ctx.device.type)
-        self.tp_comm, self.dp_comm = self.mesh.comm("tp"), self.mesh.comm("dp")
+        self.tp_comm, self.dp_comm = self.mesh.comm(TP), self.mesh.comm(DP)
         self.tp_comm.reduce_scatter_algorithm = reduce_scatter_option(cfg)
         full = self.build_model()  # same weights on every rank; each keeps its shard
         self.model = TensorParallelGPT(full, self.tp_comm, self.sp).to(self.ctx.device)
@@ -71,7 +71,7 @@ class TensorParallel(TensorParallelLayout, Strategy):
         self.meter = ActivationMeter(self.params)
 
     def step(self, batch):
-        x, y = (t.to(self.ctx.device) for t in shard(batch, self.mesh.rank("dp"), self.dp))
+        x, y = (t.to(self.ctx.device) for t in shard(batch, self.mesh.rank(DP), self.dp))
         tl = self.ctx.timeline
         self.optimizer.zero_grad()
         self.meter.reset_peak()
@@ -86,7 +86,7 @@ class TensorParallel(TensorParallelLayout, Strategy):
                 reduce_gradients(self.params, self.dp_comm)
         with tl.span("optimizer"):
             self.optimizer.step()
-        return self.mean_loss(loss, self.mesh.group("dp"))
+        return self.mean_loss(loss, self.mesh.group(DP))
 
     def memory(self):
         mem = model_state_memory(self.params, self.optimizer)
@@ -98,4 +98,4 @@ class TensorParallel(TensorParallelLayout, Strategy):
         return [self.tp_comm, self.dp_comm]
 
     def full_state_dict(self):
-        return gather_full_state(self.model, self.mesh.group("tp"))
+        return gather_full_state(self.model, self.mesh.group(TP))

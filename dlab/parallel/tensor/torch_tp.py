@@ -52,6 +52,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dlab.core.metrics import ActivationMeter, optimizer_tensors, storage_bytes
+from dlab.layout import DP, TP
 from dlab.models.data import shard
 from dlab.parallel import register
 from dlab.parallel.base import Option, Strategy
@@ -143,7 +144,7 @@ class TorchTensorParallel(TensorParallelLayout, Strategy):
         self.tp, self.sp, self.dp = lay.tp, lay.sequence_parallel, lay.dp
         self.fsdp = bool(self.ctx.config.options.get("fsdp", False))
         self.mesh = Mesh.of(lay, device_type=self.ctx.device.type)
-        tp_mesh = self.mesh.device_mesh["tp"]
+        tp_mesh = self.mesh.device_mesh[TP]
         self.model = self.build_model()
         for block in self.model.blocks:
             parallelize_module(block, tp_mesh, block_plan(self.sp))
@@ -173,14 +174,14 @@ class TorchTensorParallel(TensorParallelLayout, Strategy):
             # FSDP2 swaps the sharded and the gathered parameter)
             prec = precision_of(self.ctx.config)
             policy = MixedPrecisionPolicy(param_dtype=prec.compute, reduce_dtype=grad_dtype(prec))
-            shard_with_fsdp2(self.model, mesh=self.mesh.device_mesh["dp"], mp_policy=policy)
+            shard_with_fsdp2(self.model, mesh=self.mesh.device_mesh[DP], mp_policy=policy)
         self.params = list(self.model.parameters())
         self.optimizer = self.build_optimizer(self.params)
         self.meter = (FSDPLocalShardMeter(self.model) if self.fsdp
                       else LocalShardMeter([_local(p) for p in self.params]))
 
     def step(self, batch):
-        x, y = (t.to(self.ctx.device) for t in shard(batch, self.mesh.rank("dp"), self.dp))
+        x, y = (t.to(self.ctx.device) for t in shard(batch, self.mesh.rank(DP), self.dp))
         tl = self.ctx.timeline
         self.optimizer.zero_grad()
         self.meter.reset_peak()
@@ -191,10 +192,10 @@ class TorchTensorParallel(TensorParallelLayout, Strategy):
         if self.dp > 1 and not self.fsdp:  # FSDP2 reduce-scatters the gradients in backward
             with tl.span("all_reduce"):
                 locals_ = [_LocalGrad(p) for p in self.params]
-                reduce_gradients(locals_, self.mesh.comm("dp"))
+                reduce_gradients(locals_, self.mesh.comm(DP))
         with tl.span("optimizer"):
             self.optimizer.step()
-        return self.mean_loss(loss, self.mesh.group("dp"))
+        return self.mean_loss(loss, self.mesh.group(DP))
 
     def memory(self):
         mem = {"parameters": storage_bytes(_local(p) for p in self.params),
@@ -206,7 +207,7 @@ class TorchTensorParallel(TensorParallelLayout, Strategy):
         return mem
 
     def comms(self):
-        return [self.mesh.comm("dp")]
+        return [self.mesh.comm(DP)]
 
     def full_state_dict(self):
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
