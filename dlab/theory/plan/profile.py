@@ -17,6 +17,9 @@ import math
 from dlab.theory.plan.collectives import OPS
 
 LEVELS = ("intra", "inter")
+#: no count a profile holds (a shape, keys, GPUs a node) is this large; past it the planner's
+#: float arithmetic overflows
+LARGEST = 10 ** 9
 #: the constants a spread may vary (``dlab.theory.plan.ranges.perturbed``), and "step"
 SPREAD_NAMES = ("matmul", "attention", "launch", "intra", "inter", "latency", "hbm", "peak", "step")
 
@@ -37,7 +40,7 @@ class _Fields:
         """Whether ``value`` is a finite number above 0 (``positive``) or at least 0."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.bad.append(f"{name}={value!r} is not a number")
-        elif not math.isfinite(value):
+        elif abs(value) > 1e300 or not math.isfinite(value):  # 1e300: an int past a float's range
             self.bad.append(f"{name}={value!r} must be finite")
         elif positive and value <= 0:
             self.bad.append(f"{name}={value!r} must be above 0")
@@ -50,8 +53,8 @@ class _Fields:
     def count(self, name: str, value, least: int = 1) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             self.bad.append(f"{name}={value!r} is not a whole number")
-        elif value < least:
-            self.bad.append(f"{name}={value} must be {least} or more")
+        elif not least <= value <= LARGEST:
+            self.bad.append(f"{name}={value} must be from {least} to {LARGEST:.0e}")
 
     def rows(self, name: str, value, width: int) -> list:
         if not isinstance(value, list) or any(not isinstance(r, list) or len(r) != width for r in value):
