@@ -380,6 +380,42 @@ MUTATIONS = [
         (("        strategy.scaler.load_state_dict(reader.scaler())\n", "        pass\n"),),
         ("tests/test_checkpoint_resume.py::"
          "test_a_resume_reproduces_the_uninterrupted_run[nd-dp2-zero1-fp16]",),
+        "plan-overlap-twice",
+        "planner: a stack's overlap share applied twice (f x f of a collective hides, not f)",
+        "dlab/theory/plan/time.py",
+        (("    return getattr(stack, name) * knobs.overlap\n",
+          "    return getattr(stack, name) * knobs.overlap * getattr(stack, name)\n"),),
+        ("tests/test_plan.py::test_an_overlap_share_of_f_hides_f_of_each_collective_its_window_covers[0.5]",
+         "tests/test_plan.py::test_every_overlap_share_hides_in_proportion_to_itself[grads]"),
+    ),
+    Mutation(
+        "plan-range-swapped",
+        "planner: a prediction's range returned as (high, low)",
+        "dlab/theory/plan/ranges.py",
+        (("    return (t0 * (1 - math.sqrt(sum(d * d for d in downs))),\n"
+          "            t0 * (1 + math.sqrt(sum(d * d for d in ups))))\n",
+          "    return (t0 * (1 + math.sqrt(sum(d * d for d in ups))),\n"
+          "            t0 * (1 - math.sqrt(sum(d * d for d in downs))))\n"),),
+        ("tests/test_plan_ranges.py::test_a_range_holds_its_prediction_and_its_low_is_below_its_high"
+         "[70b-3d-torchtitan-fsdp2]",),
+    ),
+    Mutation(
+        "plan-config-tie-ignored",
+        "planner: a Hugging Face config's tie_word_embeddings ignored (the activation's default used)",
+        "dlab/theory/plan/spec.py",
+        (("        tied=not gated if tied is None else tied,\n", "        tied=not gated,\n"),),
+        ("tests/test_plan.py::test_tied_embeddings_in_a_config_hold_one_vocab_by_width_matrix_fewer"
+         "[silu-True]",),
+    ),
+    Mutation(
+        "plan-profile-drops-attention",
+        "planner: a calibrated profile's attention table dropped on load (the kernel shares used "
+        "silently)",
+        "dlab/theory/plan/cluster.py",
+        (("                      attention_table=tuple(tuple(r) for r in k[\"attention_table\"]))\n",
+          "                      attention_table=())\n"),),
+        ("tests/test_plan_profile.py::test_each_field_of_a_profile_moves_the_prediction_it_feeds"
+         "[kernels.attention_table]",),
     ),
 ]
 

@@ -11,6 +11,7 @@ to Adam's bytes over the memory bandwidth, and to nccl-tests' two regimes of a c
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -82,6 +83,28 @@ def test_a_hugging_face_config_reads_as_the_model_it_describes(tmp_path):
     (tmp_path / "bad.json").write_text('{"hidden_size": 4096}')
     with pytest.raises(ValueError, match="lacks num_hidden_layers, num_attention_heads, vocab_size"):
         models.preset(str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize("act,tie", [("silu", True), ("silu", False), ("gelu", True), ("gelu", False)])
+def test_tied_embeddings_in_a_config_hold_one_vocab_by_width_matrix_fewer(act, tie, tmp_path):
+    """Counted by hand from the config's shapes (h 2048, 16 layers, 16 heads of which 4 for keys
+    and values, MLP 8192, vocabulary 32000): per layer Q and the output projection h^2 each, K
+    and V h x 512 each, the MLP 3 h f (SwiGLU) or 2 h f (GeLU); the embedding V h, and the head
+    V h again unless ``tie_word_embeddings`` is true, whatever the activation's default (GPT-2
+    ties, Llama does not). The planner's parameter bytes (bf16, one rank) follow: 2 per
+    parameter."""
+    h, layers, f, vocab = 2048, 16, 8192, 32000
+    mlp = (3 if act == "silu" else 2) * h * f
+    untied = layers * (2 * h * h + 2 * h * 512 + mlp) + 2 * vocab * h
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": 16,
+                                "num_key_value_heads": 4, "intermediate_size": f, "vocab_size": vocab,
+                                "hidden_act": act, "tie_word_embeddings": tie}))
+    spec = models.preset(str(path))
+    want = untied - vocab * h if tie else untied
+    assert spec.n_params() == want
+    p = plan(spec, H100, PlanLayout(), 8, 2048)
+    assert p.memory["parameters"] == 2 * want
 
 
 # Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
@@ -219,6 +242,52 @@ def test_an_overlap_share_of_zero_exposes_all_and_of_one_what_the_window_leaves(
     assert exposed(3.0, 2.0, 1.0) == 1.0
     assert exposed(3.0, 5.0, 1.0) == 0.0
     assert exposed(3.0, 2.0, 0.5) == 2.0
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_an_overlap_share_of_f_hides_f_of_each_collective_its_window_covers(share):
+    """Counted by hand for one op: tp = 8 without sequence parallelism makes two all-reduces of
+    the layer's b s h activation forward and two backward per layer and micro-batch
+    (Korthikanti et al.), each pair shorter than the matmuls beside it, plus three at the ends
+    that nothing hides (one at the embedding, two at the head). At a share f, f of each layer's
+    all-reduces hide: exposed (1 - f) of them, and the hidden ones cost ``interference`` (0.1)
+    of their seconds."""
+    lay = PlanLayout(tp=8)
+    m, act = 8, 2 * 4096 * LLAMA70.d_model
+    pair = 2 * collectives.collective_time(H100, "all_reduce", act, 8)
+    fwd, _ = layer_ops(LLAMA70, lay, stacks.preset("megatron-core-2024"), 4096)
+    assert pair < sum(op.seconds(H100, None) for op in fwd if op.kind == "matmul")  # the window covers it
+    stack = dataclasses.replace(stacks.preset("megatron-core-2024"), tp=share)
+    p = plan(LLAMA70, H100, lay, m, 4096, stack)
+    layers = m * LLAMA70.n_layer * 2 * pair  # forward and backward
+    ends = m * 3 * pair / 2
+    assert p.time["tp_comm"] == pytest.approx(ends + (1 - share) * layers, rel=1e-9)
+    assert p.time["interference"] == pytest.approx(0.1 * share * layers, rel=1e-9)
+
+
+SHARES = [("tp", "tp_comm", PlanLayout(dp=2, tp=8, sequence_parallel=True), "llama3-70b"),
+          ("cp", "cp_comm", PlanLayout(dp=2, cp=4, tp=2), "llama3-70b"),
+          ("ep", "ep_comm", PlanLayout(dp=8, ep=8), "mixtral-8x7b"),
+          ("pp", "pp_comm", PlanLayout(dp=2, pp=4, tp=2), "llama3-70b"),
+          ("grads", "data_comm", PlanLayout(dp=16, zero=1), "llama3-8b"),
+          ("params", "data_comm", PlanLayout(dp=16, zero=3), "llama3-8b")]
+
+
+@pytest.mark.parametrize("name,part,lay,model", SHARES, ids=[s[0] for s in SHARES])
+def test_every_overlap_share_hides_in_proportion_to_itself(name, part, lay, model):
+    """Each collective is exposed for ``comm - f x min(comm, window)``: linear in f, so at a
+    share of a half every dimension's exposed seconds are the mean of those at 0 and 1, and its
+    hidden seconds (``interference`` / 0.1) half those at 1 (a share applied twice would hide a
+    quarter)."""
+    spec = models.preset(model)
+    at = {f: plan(spec, H100, lay, 64, 4096,
+                  dataclasses.replace(stacks.preset("megatron-core-2024"), **{name: f}))
+          for f in (0.0, 0.5, 1.0)}
+    shown = {f: p.time[part] for f, p in at.items()}
+    assert shown[0.0] > shown[1.0], "nothing hides at share 1: this case checks nothing"
+    assert shown[0.5] == pytest.approx((shown[0.0] + shown[1.0]) / 2, rel=1e-9)
+    hidden = {f: p.time["interference"] - at[0.0].time["interference"] for f, p in at.items()}
+    assert hidden[0.5] == pytest.approx(hidden[1.0] / 2, rel=1e-9)
 
 
 def test_tensor_parallel_collectives_show_whole_without_overlap_and_hide_with_it():

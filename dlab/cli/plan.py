@@ -142,7 +142,10 @@ def run(args) -> int:
         print(published.table(results))
         rows = results
     else:
-        rows = _plan(args)
+        try:
+            rows = _plan(args)
+        except PlanError as e:  # a model or layout the planner cannot take: one line, exit 2
+            raise ConfigError(str(e)) from None
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -172,10 +175,7 @@ def _plan(args) -> list[dict]:
         if args.gpus and lay.world != args.gpus:
             raise ConfigError(f"the layout takes {lay.world} GPUs, not --gpus {args.gpus}; leave dp "
                               f"out to let it take the rest")
-        try:
-            p = plan(spec, cluster, lay, args.batch, args.seq, stack)
-        except PlanError as e:
-            raise ConfigError(str(e)) from None
+        p = plan(spec, cluster, lay, args.batch, args.seq, stack)
         low, high = step_range(p)
         print(f"{spec.name} on {lay.world} x {cluster.name}, batch {args.batch} x {args.seq} tokens")
         print(f"layout {lay.describe()}: {p.step_s:.3f} s/step (range {low:.3f}-{high:.3f}), "
@@ -200,6 +200,8 @@ def _plan(args) -> list[dict]:
         fit = [p for p in preds if p.fits]
         print(f"{spec.name} on {args.gpus} x {cluster.name}, batch {args.batch} x {args.seq} tokens: "
               f"{len(preds)} layouts in {took:.2f} s, {len(fit)} fit")
+        if cluster.notes:
+            print("assumed: " + "; ".join(cluster.notes))
         print(HEADER)
         for p in preds[:args.top]:
             print(_ranged(p))

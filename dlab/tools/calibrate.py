@@ -248,7 +248,7 @@ def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int 
     over 4 ranks on 2 cores burns about 1.6 ms of each rank's CPU, some 10 times its time on the
     fitted link. The utilization, where ranks outnumber the cores, is the ranks' CPU over the
     cores' time in the rounds, sum over ranks / (cores x wall): below 1 where a hand-off leaves
-    a core with no rank ready to run; the median over every op, group and payload."""
+    a core with no rank ready to run; the median over every op, group and payload, at most 1."""
     cores = usable_cores()
     shared = world > cores
     alone = _work_seconds(work, time.process_time if shared else time.perf_counter)
@@ -267,7 +267,9 @@ def collective_probe(world: int, work: int = 16, repeats: int = 20, trials: int 
         c_small, c_large = (rounds[(op, g, s)][1 if shared else 0] - alone for s in (small, large))
         slope = max(c_large - c_small, 0.0) / (large - small)
         rows.append((op, g, max(c_small - slope * small, 0.0), slope))
-    return Probe(tuple(rows), statistics.median(fills) if shared else 1.0)
+    # the ranks cannot fill more than all of the cores' time: a median above 1 is the skew
+    # between the ranks' clocks (each rank's medians are of its own rounds)
+    return Probe(tuple(rows), min(statistics.median(fills), 1.0) if shared else 1.0)
 
 
 def this_machine(cfg, world: int, runs_dir: str = "runs") -> clusters.Cluster:

@@ -16,7 +16,10 @@ runs), and written as a profile (``dlab.theory.plan.cluster.dump``) that ``--clu
 - collectives, with ``ranks`` > 1: all-reduce, all-gather, reduce-scatter, all-to-all and a
   send/receive pair over message sizes on ``ranks`` fresh processes (Gloo on the CPU, NCCL on
   GPUs), the slowest rank's median; each op's latency per step and bus bandwidth fitted by
-  least squares in relative error (``fit_link``) over the sizes.
+  least squares in relative error (``fit_link``) over the sizes. A fit that cannot be a link's
+  (``unphysical``: a bus bandwidth above the memory's, as timings that do not grow with the
+  bytes give on a busy machine) is left out and the profile's ``flags`` say so, as the
+  calibration prints and every prediction from the profile repeats.
 
 The peak is the data sheet's on a known GPU (``dlab.core.machine``) and the best measured
 matmul on a CPU. The GPU presets' constants (``dlab.theory.plan.cluster``) come from published
@@ -25,6 +28,7 @@ figures; a profile measured on a GPU says what moved against them (``describe``)
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -177,29 +181,67 @@ def _time_collectives(sizes, repeats: int) -> dict:
 
 def fit_link(op: str, n: int, points: list[tuple[int, float]]) -> tuple[float, float]:
     """(latency per step, bus bandwidth) of ``op`` over ``n`` ranks through (bytes, seconds)
-    points: least squares of ``t = steps x latency + bus bytes / busbw`` in relative error."""
+    points: least squares of ``t = steps x latency + bus bytes / busbw`` in relative error, each
+    term at least 0 (a negative one refitted without it). Times that do not grow with the bytes
+    give an infinite bandwidth, which ``unphysical`` flags."""
     x = np.array([bus_bytes(op, s, n) for s, _ in points])
     t = np.array([sec for _, sec in points])
-    a = np.stack([np.full_like(x, max(steps(op, n), 1)), x], axis=1) / t[:, None]
+    k = np.full_like(x, max(steps(op, n), 1))
+    a = np.stack([k, x], axis=1) / t[:, None]
     (latency, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
-    return max(float(latency), 0.0), 1.0 / max(float(beta), 1e-15)
+    if latency < 0:  # the bytes alone
+        latency, beta = 0.0, np.sum(x / t) / np.sum((x / t) ** 2)
+    elif beta <= 0:  # the steps alone
+        latency, beta = np.sum(k / t) / np.sum((k / t) ** 2), 0.0
+    return float(latency), 1.0 / float(beta) if beta > 0 else math.inf
 
 
-def collectives(ranks: int, sizes, repeats: int, runs_dir: str = "runs") -> tuple:
-    """(op, "intra", latency per step, bus bandwidth) of every op over ``ranks`` processes."""
+def unphysical(op: str, n: int, points: list[tuple[int, float]], latency: float, busbw: float,
+               ceiling: float) -> str | None:
+    """Why a fitted (latency, bus bandwidth) cannot be the link's, or None: a bus bandwidth above
+    ``ceiling``, the rate this machine copies memory at (every byte a collective moves is read
+    and written at least once), or a fixed part longer than the fastest call it was fitted to.
+    Either means the timings were noise, as on a busy machine or at too few repeats."""
+    if not busbw <= ceiling:
+        return (f"{op}: its times do not grow with its bytes as a link's would (a fitted bus "
+                f"bandwidth of {busbw / 1e9:.3g} GB/s, above the {ceiling / 1e9:.3g} GB/s this "
+                f"machine copies memory at)")
+    fastest = min(sec for _, sec in points)
+    if steps(op, n) * latency > fastest:
+        return (f"{op}: a fitted fixed part of {steps(op, n) * latency * 1e6:.3g} us, longer than "
+                f"its fastest call ({fastest * 1e6:.3g} us)")
+    return None
+
+
+def collectives(ranks: int, sizes, repeats: int, ceiling: float,
+                runs_dir: str = "runs") -> tuple[tuple, list[str]]:
+    """(op, "intra", latency per step, bus bandwidth) of every op over ``ranks`` processes whose
+    fit is physical (``unphysical``, under ``ceiling`` bytes/s), and why each other one is not."""
     per_rank = spawn(_time_collectives, ranks, sizes, repeats, runs_dir=runs_dir, name="calibrate",
                      timeout_s=120.0)
-    out = []
+    out, flags = [], []
     for op in OPS:
         n = 2 if op == "p2p" else ranks
         points = [(size, max(r[(op, size)] for r in per_rank)) for size in sizes]
-        out.append((op, "intra", *fit_link(op, n, points)))
-    return tuple(out)
+        latency, busbw = fit_link(op, n, points)
+        why = unphysical(op, n, points, latency, busbw, ceiling)
+        if why:
+            flags.append(f"{why}: left out of the profile, so it is priced on the links; calibrate "
+                         f"again on an idle machine, without --quick")
+        else:
+            out.append((op, "intra", latency, busbw))
+    return tuple(out), flags
 
 
-def measure(quick: bool = False, ranks: int = 2, runs_dir: str = "runs") -> tuple[clusters.Cluster, dict]:
-    """This machine as a cluster, every constant measured (module docstring), and what was
-    measured where (for the profile's ``measured`` field)."""
+#: (latency per step, bus bandwidth) of the links where no collective was measured, as the
+#: profile's flags say
+PLACEHOLDER = (1e-5, 1e9)
+
+
+def measure(quick: bool = False, ranks: int = 2,
+            runs_dir: str = "runs") -> tuple[clusters.Cluster, dict, list[str]]:
+    """This machine as a cluster, every constant measured (module docstring), what was measured
+    where (for the profile's ``measured`` field), and what could not be (its ``flags``)."""
     dev = _device()
     grid = QUICK if quick else (FULL if dev.type == "cuda" else CPU_GRID)
     threads = torch.get_num_threads()
@@ -215,9 +257,16 @@ def measure(quick: bool = False, ranks: int = 2, runs_dir: str = "runs") -> tupl
     known = next((m for m in GPU_PEAK_FLOPS if dev.type == "cuda" and m in name), None)
     best = max(table, key=lambda r: r[3])
     peak = GPU_PEAK_FLOPS[known]["bf16"] if known else best[3]
-    ops = collectives(ranks, grid["sizes"], grid["repeats"], runs_dir) if ranks > 1 else ()
+    ops, flags = collectives(ranks, grid["sizes"], grid["repeats"], hbm, runs_dir) if ranks > 1 else ((), [])
     by_op = {op: (lat, bw) for op, _, lat, bw in ops}
-    intra = AlphaBeta.link(*reversed(by_op.get("all_reduce", (1e-5, 1e9))))
+    base = "all_reduce" if "all_reduce" in by_op else next(iter(by_op), None)
+    if base is None:
+        flags.append(f"no collective measured{' (--ranks 1)' if ranks == 1 else ''}: the links are a "
+                     f"placeholder of {PLACEHOLDER[1] / 1e9:g} GB/s and {PLACEHOLDER[0] * 1e6:g} us a "
+                     f"step, not this machine's; calibrate with --ranks 2 or more")
+    elif base != "all_reduce":
+        flags.append(f"the links are {base}'s fit, all_reduce's was left out")
+    intra = AlphaBeta.link(*reversed(by_op.get(base, PLACEHOLDER)))
     memory = (torch.cuda.get_device_properties(0).total_memory if dev.type == "cuda"
               else _host_memory() / max(usable_cores(), 1))
     kernels = Kernels(matmul=best[3] / peak, sms=0, tile=(1, 1, 1), best=best[:3], fill=0.0,
@@ -230,11 +279,11 @@ def measure(quick: bool = False, ranks: int = 2, runs_dir: str = "runs") -> tupl
         kernels.matmul, kernels.attention[0][1], reserved=0.0, kernels=kernels, ops=ops,
         spread=(("matmul", 0.95, 1.05), ("attention", 0.95, 1.05), ("hbm", 0.95, 1.05)),
         source="python -m dlab plan calibrate" + (" --quick" if quick else ""),
-        generation=known or "")
+        generation={"H200": "H100"}.get(known, known or ""))  # an H200 is an H100's die
     measured = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": name,
                 "torch": torch.__version__, "ranks": ranks, "quick": quick,
                 "threads": 1 if dev.type == "cpu" else None}
-    return cluster, measured
+    return cluster, measured, flags
 
 
 def _host_memory() -> float:
@@ -243,8 +292,8 @@ def _host_memory() -> float:
 
 def profile(path, quick: bool = False, ranks: int = 2, runs_dir: str = "runs") -> dict:
     """Measure this machine and write its profile to ``path``; the profile's fields."""
-    cluster, measured = measure(quick, ranks, runs_dir)
-    return clusters.dump(cluster, path, measured)
+    cluster, measured, flags = measure(quick, ranks, runs_dir)
+    return clusters.dump(cluster, path, measured, flags)
 
 
 def describe(doc: dict, against: str = "h100-sxm") -> str:
@@ -258,6 +307,7 @@ def describe(doc: dict, against: str = "h100-sxm") -> str:
               for s, f, b in k["attention_table"]]
     lines += [f"  {op} ({level}): {lat * 1e6:.1f} us a step, bus {bw / 1e9:.3g} GB/s"
               for op, level, lat, bw in doc["ops"]]
+    lines += [f"  WARNING {flag}" for flag in doc.get("flags", [])]
     gen = doc.get("generation")
     if gen:
         ref = clusters.PRESETS[against if gen == "H100" else "a100-80gb"]

@@ -39,8 +39,9 @@ the training runs the planner is checked against, ``dlab.theory.plan.published``
   upper end (0.92-1.03), the attention papers' figures vary with shape (0.85-1.15), memory
   bandwidth 0.88-1.08, NVLink from a ring's to NVLink SHARP's, a NIC from 75 % to full rate.
 
-A calibrated profile (``python -m dlab plan calibrate``, ``dlab.theory.plan.profile``) replaces
-these with what a machine measured of itself.
+A calibrated profile (``python -m dlab plan calibrate``, ``dump`` and ``load``) replaces these
+with what a machine measured of itself; ``dlab.theory.plan.profile`` checks each of its fields
+before the planner reads it, and says what it leaves the planner to assume (``Cluster.notes``).
 
 "this machine" (``this_machine``) is the CPU the lab runs on: one thread per rank, the peak the
 fp32 matmul probe measures (``dlab.core.metrics.measure_cpu_peak_flops``), ranks sharing ``cores``
@@ -59,6 +60,7 @@ from pathlib import Path
 
 from dlab.core.machine import GPU_PEAK_FLOPS, measure_cpu_peak_flops, usable_cores
 from dlab.theory.comm import AlphaBeta
+from dlab.theory.plan import profile
 from dlab.theory.plan.kernels import Kernels
 
 GB = 1e9
@@ -108,6 +110,9 @@ class Cluster:
     #: benchmarked rate a training step sustains applies (``dlab.theory.plan.predict.SUSTAINED``);
     #: "" for a device with none fitted (a calibrated CPU), which then sustains all of it
     generation: str = ""
+    #: what the planner assumes for this cluster in place of a measurement (a profile's missing
+    #: tables, what its calibration flagged: ``profile.fallbacks``), which every prediction says
+    notes: tuple = ()
 
     def oversubscribed(self, world: int) -> bool:
         """Whether ``world`` ranks outnumber the cores: then a step is CPU seconds shared out
@@ -208,8 +213,9 @@ def this_machine(peak: float | None = None, ranks: int = 2, layer_overhead: floa
 FORMAT = "dlab-cluster-profile/1"
 
 
-def dump(cluster: Cluster, path, measured: dict | None = None) -> dict:
-    """Write ``cluster`` as a profile (JSON) that ``load`` and ``--cluster FILE`` read."""
+def dump(cluster: Cluster, path, measured: dict | None = None, flags=()) -> dict:
+    """Write ``cluster`` as a profile (JSON) that ``load`` and ``--cluster FILE`` read;
+    ``flags``: what its calibration could not measure as it should (``load`` makes them notes)."""
     k = cluster.kernels
     doc = {"format": FORMAT, "name": cluster.name, "source": cluster.source,
            "measured": measured or {}, "peak_flops": cluster.peak, "memory_bytes": cluster.memory,
@@ -224,7 +230,7 @@ def dump(cluster: Cluster, path, measured: dict | None = None) -> dict:
            "links": {level: {"latency": getattr(cluster, level).alpha,
                              "busbw": getattr(cluster, level).bandwidth} for level in ("intra", "inter")},
            "ops": [list(o) for o in cluster.ops], "spread": [list(x) for x in cluster.spread],
-           "generation": cluster.generation}
+           "generation": cluster.generation, "flags": list(flags)}
     Path(path).write_text(json.dumps(doc, indent=1))
     return doc
 
@@ -239,24 +245,24 @@ def load(path) -> Cluster:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path} is not a cluster profile ({FORMAT}); write one with python -m "
                          f"dlab plan calibrate --out {path}")
-    try:
-        k = doc["kernels"]
-        kernels = Kernels(matmul=float(k["matmul"]), sms=int(k["sms"]), tile=tuple(k["tile"]),
-                          attention=tuple(tuple(a) for a in k["attention"]),
-                          attention_half=int(k["attention_half"]), hbm=float(k["hbm"]),
-                          launch=float(k["launch"]), best=tuple(k["best"]), fill=float(k["fill"]),
-                          matmul_table=tuple(tuple(r) for r in k["matmul_table"]),
-                          attention_table=tuple(tuple(r) for r in k["attention_table"]))
-        links = {level: AlphaBeta.link(float(doc["links"][level]["busbw"]),
-                                       float(doc["links"][level]["latency"]))
-                 for level in ("intra", "inter")}
-        return Cluster(str(doc["name"]), float(doc["peak_flops"]), float(doc["memory_bytes"]),
-                       float(doc["memory_bandwidth"]), int(doc["gpus_per_node"]),
-                       links["intra"], links["inter"], kernels.matmul, 1.0,
-                       reserved=float(doc["reserved_bytes"]), kernels=kernels,
-                       ops=tuple(tuple(o) for o in doc["ops"]),
-                       spread=tuple(tuple(x) for x in doc["spread"]), source=str(doc["source"]),
-                       generation=str(doc.get("generation", "")))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: a cluster profile's field is missing or malformed ({e!r}); "
-                         f"write it again with python -m dlab plan calibrate --out {path}") from None
+    bad = profile.check(doc)
+    if bad:
+        raise ValueError(f"{path}: {'; '.join(bad)}; correct the field, or write the profile again "
+                         f"with python -m dlab plan calibrate --out {path}")
+    k = doc["kernels"]
+    kernels = Kernels(matmul=float(k["matmul"]), sms=k["sms"], tile=tuple(k["tile"]),
+                      attention=tuple(tuple(a) for a in k["attention"]),
+                      attention_half=k["attention_half"], hbm=float(k["hbm"]),
+                      launch=float(k["launch"]), best=tuple(k["best"]), fill=float(k["fill"]),
+                      matmul_table=tuple(tuple(r) for r in k["matmul_table"]),
+                      attention_table=tuple(tuple(r) for r in k["attention_table"]))
+    links = {level: AlphaBeta.link(float(doc["links"][level]["busbw"]),
+                                   float(doc["links"][level]["latency"]))
+             for level in ("intra", "inter")}
+    return Cluster(doc["name"], float(doc["peak_flops"]), float(doc["memory_bytes"]),
+                   float(doc["memory_bandwidth"]), doc["gpus_per_node"],
+                   links["intra"], links["inter"], kernels.matmul, 1.0,
+                   reserved=float(doc["reserved_bytes"]), kernels=kernels,
+                   ops=tuple(tuple(o) for o in doc["ops"]),
+                   spread=tuple(tuple(x) for x in doc["spread"]), source=doc["source"],
+                   generation=doc.get("generation", ""), notes=tuple(profile.fallbacks(doc)))

@@ -78,10 +78,11 @@ class Prediction:
 
 
 def assumed(lay, stack, cluster) -> list[str]:
-    """What a prediction assumes: the stack, and on the CPU that nothing overlaps."""
+    """What a prediction assumes: the stack, and on the CPU that nothing overlaps; then what
+    the cluster prices without a measurement of its own (``Cluster.notes``)."""
     if cluster.cores:
-        return ["this machine's measured rates and calls; nothing overlaps on the CPU"]
-    return [f"stack {stack.describe()}"]
+        return ["this machine's measured rates and calls; nothing overlaps on the CPU", *cluster.notes]
+    return [f"stack {stack.describe()}", *cluster.notes]
 
 
 def _cpu_step(stages: list[dict], cluster, lay, frac: float) -> dict[str, float]:

@@ -172,14 +172,60 @@ KEYS = {"d_model": ("hidden_size", "n_embd", "d_model"),
         "vocab": ("vocab_size",),
         "n_expert": ("num_local_experts", "num_experts", "n_routed_experts"),
         "top_k": ("num_experts_per_tok", "moe_topk")}
+#: what each field counts, for the errors
+MEANS = {"d_model": "the hidden size, e.g. 4096", "n_layer": "the layers, e.g. 32",
+         "n_head": "the attention heads, e.g. 32", "n_kv_head": "the key-value heads, e.g. 8",
+         "d_ff": "the MLP width, e.g. 14336", "vocab": "the vocabulary size, e.g. 32000",
+         "n_expert": "the experts per MLP, e.g. 8", "top_k": "the experts per token, e.g. 2"}
+#: no model has a dimension this large, and beyond it the planner's float arithmetic overflows
+LARGEST = 10 ** 9
 GATED = ("silu", "swish", "swiglu")
+
+
+def _counts(cfg: dict) -> tuple[dict, dict, list[str]]:
+    """(field: value, field: the config's key for it, problems) of the config's counts: each a
+    JSON whole number from 1 to ``LARGEST`` (not a bool, a float or a string)."""
+    got, key_of, bad = {}, {}, []
+    for field, keys in KEYS.items():
+        key = next((k for k in keys if cfg.get(k) is not None), None)
+        if key is None:
+            continue
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            bad.append(f"{key}={json.dumps(value)} is not a whole number; give {MEANS[field]}")
+        elif not 1 <= value <= LARGEST:
+            bad.append(f"{key}={value} must be between 1 and {LARGEST:.0e}; give {MEANS[field]}")
+        else:
+            got[field], key_of[field] = value, key
+    return got, key_of, bad
+
+
+def _relations(got: dict, key_of: dict) -> list[str]:
+    """What the counts must satisfy together, each in the config's own keys."""
+    out = []
+    h, a = got["d_model"], got["n_head"]
+    if h % a:
+        out.append(f"{key_of['d_model']}={h} is not a multiple of {key_of['n_head']}={a}: each head "
+                   f"is {key_of['d_model']} / {key_of['n_head']} wide; change one of them")
+    g = got.get("n_kv_head")
+    if g is not None and a % g:
+        out.append(f"{key_of['n_kv_head']}={g} does not divide {key_of['n_head']}={a}: grouped-query "
+                   f"attention shares each key-value head among {key_of['n_head']} / "
+                   f"{key_of['n_kv_head']} heads; give a divisor of {a}")
+    e, k = got.get("n_expert", 1), got.get("top_k")
+    if e > 1 and k is not None and k > e:
+        out.append(f"{key_of['top_k']}={k} is more than {key_of['n_expert']}={e}: a token is routed "
+                   f"to at most all the experts; give a number from 1 to {e}")
+    return out
 
 
 def from_config(path) -> Transformer:
     """A model from a Hugging Face style ``config.json``: hidden size, layers, heads, key-value
     heads, intermediate size, vocabulary, tied embeddings, experts. A SiLU activation means a
     gated (SwiGLU) MLP, as in Llama, Mistral and Qwen; an RMSNorm epsilon an RMSNorm; a rotary
-    base rotary embeddings. A missing intermediate size is 4 h (GPT-2)."""
+    base rotary embeddings. A missing intermediate size is 4 h (GPT-2). Every field it reads is
+    checked (its type, its range, and what the counts must satisfy together), and a problem is
+    a ``ValueError`` that names the file, the key and what to write instead."""
     file = Path(path)
     try:
         cfg = json.loads(file.read_text())
@@ -187,28 +233,32 @@ def from_config(path) -> Transformer:
         raise ValueError(f"cannot read the model config {path}: {e}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path} is not a JSON object of model settings")
-    got = {}
-    for field, keys in KEYS.items():
-        for key in keys:
-            if cfg.get(key) is not None:
-                got[field] = cfg[key]
-                break
+    got, key_of, bad = _counts(cfg)
     missing = [keys[0] for field, keys in KEYS.items()
-               if field in ("d_model", "n_layer", "n_head", "vocab") and field not in got]
+               if field in ("d_model", "n_layer", "n_head", "vocab")
+               and all(cfg.get(k) is None for k in keys)]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}: a config needs the hidden size, the "
                          f"layers, the attention heads and the vocabulary")
-    bad = [f"{k}={v!r}" for k, v in got.items() if not isinstance(v, int) or v < 1]
+    tied = cfg.get("tie_word_embeddings")
+    if tied is not None and not isinstance(tied, bool):
+        bad.append(f"tie_word_embeddings={json.dumps(tied)} must be true or false")
+    act = cfg.get("hidden_act", cfg.get("activation_function", "gelu"))
+    if not isinstance(act, str):
+        bad.append(f"hidden_act={json.dumps(act)} must be an activation's name, e.g. \"silu\" or "
+                   f"\"gelu\"")
+    if not bad:
+        bad = _relations(got, key_of)
     if bad:
-        raise ValueError(f"{path}: {', '.join(bad)} must be whole numbers >= 1")
-    act = str(cfg.get("hidden_act", cfg.get("activation_function", "gelu"))).lower()
-    gated = act in GATED
+        raise ValueError(f"{path}: " + "; ".join(bad))
+    gated = act.lower() in GATED
+    experts = got.get("n_expert", 1)
     return Transformer(
-        name=cfg.get("_name_or_path") or cfg.get("model_type") or file.stem,
+        name=str(cfg.get("_name_or_path") or cfg.get("model_type") or file.stem),
         n_layer=got["n_layer"], d_model=got["d_model"], n_head=got["n_head"],
         d_ff=got.get("d_ff", 4 * got["d_model"]), vocab=got["vocab"],
         n_kv_head=got.get("n_kv_head", 0), mlp="swiglu" if gated else "gelu",
-        tied=bool(cfg.get("tie_word_embeddings", not gated)),
-        n_expert=got.get("n_expert", 1), top_k=got.get("top_k", 1) if got.get("n_expert", 1) > 1 else 1,
+        tied=not gated if tied is None else tied,
+        n_expert=experts, top_k=got.get("top_k", 1) if experts > 1 else 1,
         rope="rope_theta" in cfg or cfg.get("position_embedding_type") == "rotary",
         norm="rmsnorm" if "rms_norm_eps" in cfg else "layernorm")
