@@ -5,12 +5,16 @@ FP8 tensor cores (compute capability 8.9 and above), FP8 e4m3 through ``torch._s
 out). A matmul's arithmetic intensity is its FLOPs over the bytes it must move at least,
 2 n^3 / ((2 n^2 x input bytes + n^2 x output bytes)); the roofline's attainable rate is
 ``min(peak, intensity x memory bandwidth)``, so a small matmul is bound by bytes and a large one
-by the tensor cores. Each row gives the measured TFLOP/s, its share of the datasheet peak
+by the tensor cores. Every call reads operands no cache holds (the sets cycle through twice the
+GPU's L2), as the roofline assumes. Each row gives the measured TFLOP/s, its share of the datasheet peak
 (``dlab.core.machine`` for bf16 and fp32, ``published.H100_SXM`` for TF32 and FP8 on an H100
 or H200; on a CPU the best fp32 matmul measured here) and of the roofline. The bandwidth is
 measured here (``dlab.tools.device_profile.bandwidth``: a 256 MiB copy).
 """
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 
@@ -39,15 +43,37 @@ def peak(dtype: str, name: str) -> tuple[float | None, str]:
     return None, f"no datasheet {dtype} peak tabled for {name}"
 
 
+def _copies(dtype: str, n: int, device) -> int:
+    """Operand sets to cycle through so that every call reads its inputs from memory, not from a
+    cache the last call filled: twice the GPU's L2 (an H100's 50 MB holds two 2048 x 2048 bf16
+    operands whole), at most 256 sets."""
+    if device.type != "cuda":
+        return 1
+    inp, _ = BYTES[dtype]
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(256, math.ceil(2 * l2 / (2 * n * n * inp))))
+
+
 def _operands(dtype: str, n: int, device):
-    if dtype == "fp8":
-        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt asks
-        one = torch.ones((), device=device)
-        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    kind = torch.bfloat16 if dtype == "bf16" else torch.float32
-    a, b = (torch.randn(n, n, device=device, dtype=kind) for _ in range(2))
-    return lambda: a @ b
+    """A call of one n x n x n matmul at ``dtype``, each call on the next operand set."""
+    sets = []
+    for _ in range(_copies(dtype, n, device)):
+        if dtype == "fp8":
+            a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+            b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt asks
+        else:
+            kind = torch.bfloat16 if dtype == "bf16" else torch.float32
+            a, b = (torch.randn(n, n, device=device, dtype=kind) for _ in range(2))
+        sets.append((a, b))
+    one = torch.ones((), device=device)
+    turn = itertools.cycle(sets)
+
+    def call():
+        a, b = next(turn)
+        if dtype == "fp8":
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return a @ b
+    return call
 
 
 def rate(dtype: str, n: int, device, repeats: int) -> float:
@@ -60,11 +86,13 @@ def rate(dtype: str, n: int, device, repeats: int) -> float:
 
 
 def _measured(dtype: str, n: int, device, repeats: int, top: float | None, bandwidth: float) -> dict:
+    """One row's rates. The roofline share only on a GPU: a CPU's caches hold these small
+    operands across calls, so its memory bandwidth bounds nothing here."""
     seconds = rate(dtype, n, device, repeats)
     flops = 2.0 * n ** 3 / seconds
     attainable = min(top or float("inf"), intensity(dtype, n) * bandwidth)
     return {"seconds": seconds, "tflops": flops / 1e12, "share": flops / top if top else None,
-            "roofline": flops / attainable}
+            "roofline": flops / attainable if device.type == "cuda" else None}
 
 
 def _why(dtype: str, cuda: bool, fp8: bool) -> str | None:

@@ -32,10 +32,11 @@ OPERATOR_CLASSES = {
              ("statistical normalizations (softmax, layer norm)", 0.17, 25.5),
              ("element-wise (bias, dropout, activation, residual)", 0.03, 13.5))}
 
-#: the CUDA caching allocator's sizes (PyTorch, c10/cuda/CUDACachingAllocator.cpp): every block
+#: the CUDA caching allocator's sizes (PyTorch's c10/cuda/CUDACachingAllocator.cpp; in recent
+#: releases c10/core/AllocatorConfig.h): every block
 #: rounded up to 512 bytes; requests up to 1 MiB served from 2 MiB segments, larger ones from
 #: 20 MiB segments (10 MiB and above: rounded to 2 MiB)
-ALLOCATOR = {"source": "PyTorch, c10/cuda/CUDACachingAllocator.cpp (kMinBlockSize, kSmallSize, "
-                       "kSmallBuffer, kLargeBuffer, kMinLargeAlloc, kRoundLarge)",
+ALLOCATOR = {"source": "PyTorch's CUDA caching allocator, its constants kMinBlockSize, kSmallSize, "
+                       "kSmallBuffer, kLargeBuffer, kMinLargeAlloc, kRoundLarge",
              "block": 512, "small": 1 << 20, "small_segment": 2 << 20, "large_segment": 20 << 20,
              "min_large": 10 << 20, "round_large": 2 << 20}
