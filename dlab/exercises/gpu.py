@@ -16,7 +16,8 @@ T = B * S
 #: name: (FLOPs, bytes) of a bf16 kernel
 KERNELS = {
     "the MLP's first matmul (T x h by h x 4h)": (2 * T * H * 4 * H, 2 * (T * H + H * 4 * H + T * 4 * H)),
-    "a decode-time matmul, 8 tokens (8 x h by h x 4h)": (2 * 8 * H * 4 * H, 2 * (8 * H + H * 4 * H + 8 * 4 * H)),
+    "a decode-time matmul, 8 tokens (8 x h by h x 4h)": (2 * 8 * H * 4 * H,
+                                                         2 * (8 * H + H * 4 * H + 8 * 4 * H)),
     "layer norm over T x h (read, write; ~8 FLOPs an element)": (8 * T * H, 2 * 2 * T * H),
     "a residual add over T x h": (T * H, 3 * 2 * T * H),
     "GELU over T x 4h (~10 FLOPs an element)": (10 * T * 4 * H, 2 * 2 * T * 4 * H),

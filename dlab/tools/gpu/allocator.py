@@ -65,7 +65,8 @@ def run(ctx):
            "allocator_peak": stats["allocated_bytes.all.peak"] if ctx.cuda else None,
            "reserved_peak": stats["reserved_bytes.all.peak"] if ctx.cuda else None,
            "snapshot": snapshot,
-           "why": None if ctx.cuda else "no CUDA: the caching allocator is CUDA's; dlab's count is the same on both"}
+           "why": None if ctx.cuda else ("no CUDA: the caching allocator is CUDA's; dlab's count is "
+                                         "the same on both")}
     mb = 1 / 2 ** 20
     line = (f"dlab counts {dlab_peak * mb:.1f} MiB at the peak" +
             (f", the allocator {doc['allocator_peak'] * mb:.1f} MiB allocated "

@@ -31,8 +31,8 @@ def borrow_links(doc: dict, path: Path) -> dict:
     if not name:
         return doc
     preset = clusters.PRESETS[name]
-    doc["links"] = {level: {"latency": getattr(preset, level).alpha, "busbw": getattr(preset, level).bandwidth}
-                    for level in ("intra", "inter")}
+    doc["links"] = {level: {"latency": getattr(preset, level).alpha,
+                            "busbw": getattr(preset, level).bandwidth} for level in ("intra", "inter")}
     doc["gpus_per_node"] = preset.gpus_per_node
     doc["measured"]["links"] = (f"not measured (one GPU has no link): the {name} preset's, from "
                                 f"published nccl-tests figures")

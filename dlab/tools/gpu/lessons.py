@@ -118,9 +118,11 @@ def profile_text(doc: dict) -> str:
              f"s = {doc['model']['seq_len']}, G = {doc['batch']}, {doc['precision']}): "
              f"{s * 1e3:.1f} ms, {doc['flops'] / s / 1e12:.3g} TFLOP/s of the model's FLOPs",
              f"  {unit} busy {doc['busy_s'] * 1e3:.1f} ms ({doc['busy_s'] / s:.0%}), idle "
-             f"{doc['idle_s'] * 1e3:.1f} ms in {doc['gaps']} gaps (largest {doc['largest_gap_s'] * 1e6:.0f} us)",
+             f"{doc['idle_s'] * 1e3:.1f} ms in {doc['gaps']} gaps (largest "
+             f"{doc['largest_gap_s'] * 1e6:.0f} us)",
              f"  matmul and attention {doc['compute_s'] * 1e3:.1f} ms, everything else "
-             f"{doc['memory_s'] * 1e3:.1f} ms ({doc['memory_s'] / max(doc['compute_s'] + doc['memory_s'], 1e-12):.0%})",
+             f"{doc['memory_s'] * 1e3:.1f} ms "
+             f"({doc['memory_s'] / max(doc['compute_s'] + doc['memory_s'], 1e-12):.0%})",
              f"  {'phase':10s} {'host span':>10s} {unit:>20s} {'busy':>9s} {'matmul':>9s} {'other':>9s}"]
     lines += [f"  {p['name']:10s} {p['host_s'] * 1e3:8.2f}ms {p['events']:20d} {p['busy_s'] * 1e3:7.2f}ms "
               f"{p['compute_s'] * 1e3:7.2f}ms {p['memory_s'] * 1e3:7.2f}ms" for p in doc["phases"]]
@@ -166,7 +168,8 @@ def attention_text(doc: dict) -> str:
             lines.append(f"  {r['backend']:10s} {r['seq']:6d}  not measured: {r['why'][:80]}")
             continue
         peak = f"{r['peak_bytes'] / MIB:9.1f}" if r["peak_bytes"] is not None else f"{'-':>9s}"
-        lines.append(f"  {r['backend']:10s} {r['seq']:6d} {r['forward_s'] * 1e3:8.3f} {r['backward_s'] * 1e3:8.3f} "
+        lines.append(f"  {r['backend']:10s} {r['seq']:6d} {r['forward_s'] * 1e3:8.3f} "
+                     f"{r['backward_s'] * 1e3:8.3f} "
                      f"{r['tflops']:8.3g} {r['saved_bytes'] / MIB:10.2f} {peak}")
     return "\n".join(lines)
 
@@ -200,7 +203,8 @@ def roofline_text(hbm: float | None = None) -> str:
 
 def matmul_text(doc: dict) -> str:
     lines = [f"memory bandwidth {doc['bandwidth'] / GB:.3g} GB/s ({doc['bandwidth_source']})",
-             f"  {'dtype':5s} {'n':>6s} {'FLOP/byte':>9s} {'TFLOP/s':>9s} {'of peak':>8s} {'of roofline':>11s}"]
+             f"  {'dtype':5s} {'n':>6s} {'FLOP/byte':>9s} {'TFLOP/s':>9s} {'of peak':>8s} "
+             f"{'of roofline':>11s}"]
     for r in doc["rows"]:
         if r["why"]:
             if r["n"] == min(x["n"] for x in doc["rows"]):
@@ -217,16 +221,19 @@ def allocator_text(doc: dict) -> str:
              + f"{'dlab total':>13s}{'allocated':>13s}{'reserved':>13s}"]
     for p in doc["phases"]:
         cells = "".join(f"{v / MIB:13.2f}" for v in p["dlab"].values())
-        alloc = "".join(f"{v / MIB:13.2f}" if v is not None else f"{'-':>13s}" for v in (p["allocated"], p["reserved"]))
+        alloc = "".join(f"{v / MIB:13.2f}" if v is not None else f"{'-':>13s}"
+                        for v in (p["allocated"], p["reserved"]))
         lines.append(f"{p['phase']:17s}{cells}{p['dlab_total'] / MIB:13.2f}{alloc}")
-    lines.append(f"step's peak: dlab's count {doc['dlab_peak'] / MIB:.2f} MiB" + (
-        f", the allocator's {doc['allocator_peak'] / MIB:.2f} MiB allocated, {doc['reserved_peak'] / MIB:.2f} "
-        f"MiB reserved" if doc["allocator_peak"] is not None else f"; {doc['why']}"))
+    allocator = (f", the allocator's {doc['allocator_peak'] / MIB:.2f} MiB allocated, "
+                 f"{doc['reserved_peak'] / MIB:.2f} MiB reserved" if doc["allocator_peak"] is not None
+                 else f"; {doc['why']}")
+    lines.append(f"step's peak: dlab's count {doc['dlab_peak'] / MIB:.2f} MiB{allocator}")
     return "\n".join(lines)
 
 
 def collectives_text(doc: dict) -> str:
-    lines = [f"  {'backend':8s} {'tensors':7s} {'ranks':>5s} {'op':15s} {'bytes':>10s} {'us':>10s} {'bus GB/s':>9s}"]
+    lines = [f"  {'backend':8s} {'tensors':7s} {'ranks':>5s} {'op':15s} {'bytes':>10s} {'us':>10s} "
+             f"{'bus GB/s':>9s}"]
     for r in doc["rows"]:
         if r["why"]:
             continue

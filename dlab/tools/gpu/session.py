@@ -173,7 +173,9 @@ def run_session(out: Path | str | None = None, cpu: bool = False, quick: bool = 
     if unknown:
         raise ValueError(f"no step {', '.join(unknown)}; the steps are {', '.join(s.name for s in steps)}")
     name = device_name(cuda)
-    out = Path(out) if out else (default_out(name) if cuda else Path(tempfile.mkdtemp(prefix="dlab-gpu-cpu-")))
+    if not out:
+        out = default_out(name) if cuda else tempfile.mkdtemp(prefix="dlab-gpu-cpu-")
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     budget_s = budget_s or (GPU_BUDGET_S if cuda else CPU_BUDGET_S)
     index_path = out / "index.json"
@@ -185,8 +187,8 @@ def run_session(out: Path | str | None = None, cpu: bool = False, quick: bool = 
              "budget_s": budget_s, "versions": {}, "steps": []}
     runs_dir = Path(tempfile.mkdtemp(prefix="dlab-gpu-runs-"))
     deadline = time.monotonic() + budget_s
-    say(f"GPU session on {name} ({'CUDA' if cuda else 'CPU mode: what needs CUDA is recorded as not measured'})"
-        f" into {out}, budget {budget_s:.0f} s")
+    mode = "CUDA" if cuda else "CPU mode: what needs CUDA is recorded as not measured"
+    say(f"GPU session on {name} ({mode}) into {out}, budget {budget_s:.0f} s")
     try:
         for step in steps:
             if only and step.name not in only:

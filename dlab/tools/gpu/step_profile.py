@@ -16,7 +16,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dlab.tools.gpu import gpt_step, trace_summary
@@ -64,6 +63,7 @@ def run(ctx):
            **summary, "ops": _ops(prof, ctx.cuda)}
     what = "kernels" if ctx.cuda else "top-level CPU operators"
     line = (f"step {summary['step_s'] * 1e3:.1f} ms: {what} busy {summary['busy_s'] / summary['step_s']:.0%} "
-            f"(matmul/attention {summary['compute_s'] * 1e3:.1f} ms, the rest {summary['memory_s'] * 1e3:.1f} ms), "
+            f"(matmul/attention {summary['compute_s'] * 1e3:.1f} ms, the rest "
+            f"{summary['memory_s'] * 1e3:.1f} ms), "
             f"{summary['gaps']} gaps, the largest {summary['largest_gap_s'] * 1e6:.0f} us")
     return doc, line, ["trace.json.gz"]
