@@ -48,7 +48,8 @@ def run(ctx):
         phases.clear()
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats()
-            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+            # Python stacks only: symbolising C++ frames can take minutes of the lent time
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=SNAPSHOT_ENTRIES)
         holder["strategy"].step(data.global_batch(1))
         gpt_step.sync(ctx.cuda)
         if ctx.cuda:

@@ -22,7 +22,7 @@ from dlab.theory.plan import cluster as clusters
 from dlab.tools import device_profile
 from dlab.tools.gpu import child
 
-PRESET_OF = {"H100": "h100-sxm", "A100": "a100-80gb"}
+PRESET_OF = {"H100": "h100-sxm", "H200": "h200", "A100": "a100-80gb"}
 
 
 def borrow_links(doc: dict, path: Path) -> dict:

@@ -19,12 +19,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from dlab.analysis.diagnose import RunFailed
 from dlab.procs.spawn import spawn
 from dlab.theory.plan.collectives import bus_bytes
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 GPU_SIZES = tuple(1 << p for p in range(10, 29, 3))  # 1 KiB to 256 MiB
 GPU_QUICK, CPU_SIZES = (1 << 10, 1 << 20, 1 << 26), (1 << 10, 1 << 18)
+#: Gloo stages CUDA tensors through the host at a few GB/s: up to 64 MiB keeps it to seconds
+GLOO_LARGEST = 1 << 26
 
 
 def _call(op: str, buf, out, shard, group):
@@ -78,24 +81,36 @@ def _rows(per_rank: list[dict], backend: str, tensors: str, sizes) -> list[dict]
     return rows
 
 
+def _none(backend: str, tensors: str, ranks: int, sizes, why: str) -> list[dict]:
+    return [{"backend": backend, "tensors": tensors, "ranks": ranks, "op": op, "bytes": size,
+             "seconds": None, "busbw": None, "why": why} for op in OPS for size in sizes]
+
+
+def _measured(backend: str, tensors: str, ranks: int, sizes, repeats: int, group: str | None,
+              runs: str) -> list[dict]:
+    """One spawned run's rows; a run that fails or hangs is rows that say so, not a lost step
+    (the other backend's rows are kept)."""
+    try:
+        per_rank = spawn(time_ops, ranks, sizes, repeats, group, tensors == "cuda", runs_dir=runs,
+                         timeout_s=120)
+    except (RunFailed, TimeoutError) as e:
+        return _none(backend, tensors, ranks, sizes, f"the run failed: {str(e).splitlines()[0][:200]}")
+    return _rows(per_rank, backend, tensors, sizes)
+
+
 def run(ctx):
     runs = f"{ctx.runs_dir}/collectives"
     sizes = (GPU_QUICK if ctx.quick else GPU_SIZES) if ctx.cuda else CPU_SIZES
     repeats = 10 if ctx.cuda else 3
-    rows = []
     if ctx.cuda:
         gpus = torch.cuda.device_count()
-        rows += _rows(spawn(time_ops, gpus, sizes, repeats, None, True, runs_dir=runs, timeout_s=120),
-                      "nccl", "cuda", sizes)
-        gloo = spawn(time_ops, 2, sizes, repeats, "gloo" if gpus >= 2 else None, True, runs_dir=runs,
-                     timeout_s=120)
-        rows += _rows(gloo, "gloo", "cuda", sizes)
+        rows = _measured("nccl", "cuda", gpus, sizes, repeats, None, runs)
+        rows += _measured("gloo", "cuda", 2, tuple(s for s in sizes if s <= GLOO_LARGEST), repeats,
+                          "gloo" if gpus >= 2 else None, runs)
     else:
-        rows += [{"backend": "nccl", "tensors": "cuda", "ranks": 0, "op": op, "bytes": size,
-                  "seconds": None, "busbw": None, "why": "no CUDA"} for op in OPS for size in sizes]
-        rows += _rows(spawn(time_ops, 2, sizes, repeats, None, False, runs_dir=runs, timeout_s=120),
-                      "gloo", "cpu", sizes)
-    largest = max(sizes)
+        rows = _none("nccl", "cuda", 0, sizes, "no CUDA")
+        rows += _measured("gloo", "cpu", 2, sizes, repeats, None, runs)
+    largest = max(r["bytes"] for r in rows if r["backend"] == "gloo")
     line = "; ".join(f"{r['backend']} {r['tensors']} x{r['ranks']} all-reduce of {largest >> 10} KiB: "
                      + (f"{r['seconds'] * 1e6:.0f} us" if r["seconds"] else r["why"])
                      + (f", bus {r['busbw'] / 1e9:.3g} GB/s" if r["busbw"] else "")

@@ -50,7 +50,7 @@ def _copies(dtype: str, n: int, device) -> int:
     if device.type != "cuda":
         return 1
     inp, _ = BYTES[dtype]
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
     return max(1, min(256, math.ceil(2 * l2 / (2 * n * n * inp))))
 
 
