@@ -120,7 +120,8 @@ def _gpu(args) -> int:
         raise ConfigError(f"--budget-s {args.budget_s}: give the session's seconds, > 0")
     command = "python -m dlab gpu" + "".join(
         f" {flag}" for flag, on in (("--cpu", args.cpu), ("--quick", args.quick)) if on) + (
-        f" --steps {','.join(only)}" if only else "")
+        f" --steps {','.join(only)}" if only else "") + (
+        f" --budget-s {args.budget_s:g}" if args.budget_s else "")
     folder, index = run_session(args.out, cpu=args.cpu, quick=args.quick, only=only,
                                 budget_s=args.budget_s, command=command)
     problems = gpu_schema.problems(folder)
