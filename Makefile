@@ -9,6 +9,11 @@
 #               and stopped (needs apt-get install chromium chromium-driver); its screenshots
 #               go to a temporary directory: make screenshots runs it to refresh the README's
 #               images in docs/screenshots/
+#   make gpu-session  on a lent GPU: python -m dlab gpu (calibration, a profiled step, attention
+#               kernels, matmul by precision, the allocator, NCCL, check) into
+#               data/gpu/<device>-<date>/, under 10 minutes on one H100; it needs no network: the
+#               venv's python where there is one, else $(PY) with the machine's own CUDA torch
+#               (GPU_ARGS: e.g. --quick, or --steps attention,matmul --out data/gpu/<folder>)
 #   make test-compat  the oldest torch dlab declares (TORCH_FLOOR, pyproject.toml's floor) in
 #               its own venv ($(VENV)/compat), and a subset of the tests that touches every
 #               family of strategies, checkpoints, the wire meter and the CLI
@@ -34,7 +39,7 @@ LAB_PORT ?= 8888
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lab test test-slow test-all browser-test screenshots test-compat bench clean
+.PHONY: install lab test test-slow test-all browser-test screenshots test-compat gpu-session bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -67,6 +72,9 @@ browser-test: install
 
 screenshots:
 	DLAB_SCREENSHOTS=$(CURDIR)/docs/screenshots $(MAKE) browser-test
+
+gpu-session:
+	PYTHONPATH=$(CURDIR) $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -m dlab gpu $(GPU_ARGS)
 
 test-compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PY) -m venv $(COMPAT_VENV)

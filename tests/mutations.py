@@ -417,6 +417,36 @@ MUTATIONS = [
         ("tests/test_plan_profile.py::test_each_field_of_a_profile_moves_the_prediction_it_feeds"
          "[kernels.attention_table]",),
     ),
+    Mutation(
+        "gpu-kernel-by-its-start",
+        "the GPU session sums a kernel into the phase in which it started, not the one that launched it",
+        "dlab/tools/gpu/trace_summary.py",
+        (("(launched.get(e.get(\"args\", {}).get(\"correlation\"), e[\"ts\"]), e)",
+          "(e[\"ts\"], e)"),),
+        ("tests/test_gpu_session.py::test_kernels_are_summed_by_the_phase_that_launched_them",),
+    ),
+    Mutation(
+        "gpu-schema-open",
+        "the GPU session's schema lets a field it does not name through",
+        "dlab/tools/gpu/schema.py",
+        (("            elif extra is False:\n", "            elif extra is None:\n"),),
+        ("tests/test_gpu_session.py::test_the_schema_refuses_a_file_naming_the_field",),
+    ),
+    Mutation(
+        "gpu-hang-left-running",
+        "a GPU session step past its budget is recorded as timed out but its process is left running",
+        "dlab/tools/gpu/session.py",
+        (("                kill_tree(proc, grace=5.0)\n", "                pass\n"),),
+        ("tests/test_gpu_session.py::test_a_failing_crashing_or_hanging_step_is_recorded_and_the_session_goes_on",),
+    ),
+    Mutation(
+        "gpu-allocator-peak-as-held",
+        "the allocator step books the forward's peak activations as held at every phase's end",
+        "dlab/tools/gpu/allocator.py",
+        (("        mem[\"activations\"] = holder[\"strategy\"].meter.current  # held now, not the peak\n",
+          "        mem[\"activations\"] = holder[\"strategy\"].meter.peak\n"),),
+        ("tests/test_gpu_session.py::test_the_allocator_step_counts_the_models_state_by_category",),
+    ),
 ]
 
 

@@ -13,6 +13,11 @@ from dlab.exercises import EXERCISES, check
 SOLUTIONS = Path(__file__).resolve().parent.parent / "docs" / "instructor" / "solutions"
 
 MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report must say)
+    "roofline_time": (  # compute and memory time added, as if nothing overlapped
+        "def roofline_time(flops, nbytes, peak, bandwidth):\n"
+        "    compute, memory = flops / peak, nbytes / bandwidth\n"
+        "    return compute + memory, 'compute' if compute >= memory else 'memory'\n",
+        "the kernel takes the longer of the two, not their sum"),
     "capstone_layout": (  # plain data parallelism: the whole model state on every GPU
         "def capstone_layout():\n"
         "    from dlab.plan import PlanLayout\n    return PlanLayout(dp=32, recompute='full')\n",

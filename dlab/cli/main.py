@@ -1,4 +1,4 @@
-"""Command line: ``python -m dlab run|bench|check|env|lab|plan|strategies|corpus``."""
+"""Command line: ``python -m dlab run|bench|check|env|gpu|lab|plan|strategies|corpus``."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,9 @@ from dlab.models.data import CORPUS
 from dlab.procs.launch import launch
 from dlab.runtime.preemption import PREEMPTED_EXIT
 from dlab.tools.check import main as check
+from dlab.tools.gpu import schema as gpu_schema
+from dlab.tools.gpu.session import STEPS as GPU_STEPS
+from dlab.tools.gpu.session import run_session
 from dlab.tools.jupyter import main as lab
 
 
@@ -103,6 +106,34 @@ def _env(args) -> int:
     return 0
 
 
+def _gpu(args) -> int:
+    if args.validate:
+        gpu_schema.validate(args.validate)
+        print(f"{args.validate}: a valid GPU session folder")
+        return 0
+    only = [s.strip() for s in args.steps.split(",") if s.strip()] if args.steps else None
+    names = [s.name for s in GPU_STEPS]
+    unknown = [s for s in only or () if s not in names]
+    if unknown or only == []:
+        raise ConfigError(f"--steps {args.steps!r}: name steps from {', '.join(names)}")
+    if args.budget_s is not None and args.budget_s <= 0:
+        raise ConfigError(f"--budget-s {args.budget_s}: give the session's seconds, > 0")
+    command = "python -m dlab gpu" + "".join(
+        f" {flag}" for flag, on in (("--cpu", args.cpu), ("--quick", args.quick)) if on) + (
+        f" --steps {','.join(only)}" if only else "") + (
+        f" --budget-s {args.budget_s:g}" if args.budget_s else "")
+    folder, index = run_session(args.out, cpu=args.cpu, quick=args.quick, only=only,
+                                budget_s=args.budget_s, command=command)
+    problems = gpu_schema.problems(folder)
+    bad = [r for r in index["steps"] if r["status"] in ("failed", "timeout")]
+    print(f"\nwrote {folder}: " + ("valid" if not problems else "INVALID:\n  - " + "\n  - ".join(problems)))
+    if index["cuda"]:
+        print(f"commit it whole: git add {folder} && git commit -m 'GPU session: {index['device']}'")
+    print(f"{len(index['steps']) - len(bad)} steps ok or skipped, {len(bad)} failed or timed out"
+          + "".join(f"\n  {r['name']}: {r['why']}" for r in bad))
+    return 1 if bad or problems else 0
+
+
 def _lab(args) -> int:
     return lab(args.port, args.ip, args.jupyter_args)
 
@@ -146,6 +177,21 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--runs-dir", default="runs/check")
     c.add_argument("--strategies", help="comma-separated strategies to check instead (e.g. ddp,zero3)")
     c.set_defaults(func=_check)
+    g = sub.add_parser("gpu", help="a prepared session for a lent GPU: calibration, a profiled "
+                                   "step, attention, matmul, the allocator, NCCL, check; writes "
+                                   "data/gpu/<device>-<date>/")
+    g.add_argument("--out", help="the session's folder (default data/gpu/<device>-<date>; with "
+                                 "--cpu or no GPU a temporary folder)")
+    g.add_argument("--cpu", action="store_true",
+                   help="CPU mode even where CUDA is present: every step at CPU sizes, what needs "
+                        "CUDA recorded as not measured")
+    g.add_argument("--quick", action="store_true", help="fewer shapes and lengths (a smoke test)")
+    g.add_argument("--steps", help=f"only these steps, comma-separated, rerun into --out keeping "
+                                   f"the others' rows: {', '.join(s.name for s in GPU_STEPS)}")
+    g.add_argument("--budget-s", type=float, default=None,
+                   help="seconds for the whole session (default 540 on a GPU, 300 on the CPU)")
+    g.add_argument("--validate", metavar="FOLDER", help="only check FOLDER against the schema")
+    g.set_defaults(func=_gpu)
     e = sub.add_parser("env", help="backends, devices, versions and the CPU's matmul peak")
     e.add_argument("--json", action="store_true")
     e.add_argument("--no-measure", action="store_true", help="skip the matmul peak measurement")
@@ -173,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "json_is_a_path", False):
             _check_json_path(args.json)  # before the work, not after it
         return args.func(args)
-    except ConfigError as e:
+    except (ConfigError, gpu_schema.InvalidSession) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

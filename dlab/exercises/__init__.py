@@ -32,7 +32,16 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from dlab.analysis.diagnose import RunFailed
-from dlab.exercises import capstone, collectives, data_parallel, local, model_parallel, planning, precision  # noqa: F401 - they register the exercises
+from dlab.exercises import (  # noqa: F401 - they register the exercises
+    capstone,
+    collectives,
+    data_parallel,
+    gpu,
+    local,
+    model_parallel,
+    planning,
+    precision,
+)
 from dlab.exercises.registry import COLLECTIVES, EXERCISES, Exercise, Report, define, source_of
 from dlab.procs.spawn import spawn
 
