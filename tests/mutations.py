@@ -227,7 +227,7 @@ MUTATIONS = [
         "nd-ckpt-tp-offset",
         "nd's checkpoint puts every tensor-parallel rank's slice at offset 0",
         "dlab/parallel/nd/state.py",
-        (('    return (dim, nd.mesh.rank("tp") * size, size), shape\n',
+        (('    return (dim, nd.mesh.rank(TP) * size, size), shape\n',
           "    return (dim, 0, size), shape\n"),),
         ("tests/test_nd_checkpoint.py::test_pp2_dp2_zero2_reshards_into_tp2_and_single",),
     ),
@@ -330,6 +330,8 @@ MUTATIONS = [
         (("    at_once = 2 if max(blocks.values()) >= 2 else 1\n", "    at_once = 2\n"),),
         ("tests/test_nd_buffers.py::test_comm_buffers_are_the_formula_on_every_rank_and_step"
          "[4-pp2-dp2-zero3-scheduleinterleaved]",),
+    ),
+    Mutation(
         "nd-resume-cut-moments",
         "nd, ZeRO >= 1: a resume restores the optimizer state (Adam's moments) only of parameters "
         "wholly inside a rank's chunk; those a chunk boundary cuts restart from zero",
@@ -380,6 +382,8 @@ MUTATIONS = [
         (("        strategy.scaler.load_state_dict(reader.scaler())\n", "        pass\n"),),
         ("tests/test_checkpoint_resume.py::"
          "test_a_resume_reproduces_the_uninterrupted_run[nd-dp2-zero1-fp16]",),
+    ),
+    Mutation(
         "plan-overlap-twice",
         "planner: a stack's overlap share applied twice (f x f of a collective hides, not f)",
         "dlab/theory/plan/time.py",
