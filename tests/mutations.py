@@ -316,6 +316,15 @@ MUTATIONS = [
          "[bucketed_ddp-0]",),
     ),
     Mutation(
+        "ddp-judge-wait-unchecked",
+        "the bucketed_ddp checker passes an answer that waits for each all-reduce in its hook",
+        "dlab/exercises/data_parallel.py",
+        (("        if all(c.get(\"waited\", float(\"inf\")) < min(nxt, backward_end)\n",
+          "        if False and all(c.get(\"waited\", float(\"inf\")) < min(nxt, backward_end)\n"),),
+        ("tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way"
+         "[bucketed_ddp-1]",),
+    ),
+    Mutation(
         "cp-allgather-mask-s-s",
         "the activation estimate sizes all-gather attention's mask s x s, not c x s",
         "dlab/theory/activations.py",

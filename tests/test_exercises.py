@@ -213,6 +213,21 @@ PROPERTY_MISTAKES = {  # exercise: [(wrong answer, what the report must say), ..
          "    def finish():\n        for w, p in works:\n            w.wait()\n"
          "            p.grad /= world_size\n        works.clear()\n"
          "    return finish\n", "rank 0 all-reduced 8 messages of"),
+        ("def bucketed_ddp(model, bucket_cap_bytes, world_size):\n"  # right buckets, async, but
+         "    params = list(model.parameters())[::-1]\n    buckets = [[params[0]]]\n"  # waited at once
+         "    for p in params[1:]:\n"
+         "        if sum(q.numel() * 4 for q in buckets[-1]) + p.numel() * 4 <= bucket_cap_bytes:\n"
+         "            buckets[-1].append(p)\n        else:\n            buckets.append([p])\n"
+         "    ready = set()\n    def hook(p):\n        ready.add(id(p))\n        for b in buckets:\n"
+         "            if id(p) in {id(q) for q in b} and all(id(q) in ready for q in b):\n"
+         "                flat = torch.cat([q.grad.reshape(-1) for q in b])\n"
+         "                dist.all_reduce(flat, async_op=True).wait()\n"
+         "                flat /= world_size\n"
+         "                for q, g in zip(b, flat.split([q.numel() for q in b])):\n"
+         "                    q.grad.copy_(g.view_as(q))\n"
+         "    for p in model.parameters():\n        p.register_post_accumulate_grad_hook(hook)\n"
+         "    def finish():\n        ready.clear()\n"
+         "    return finish\n", "rank 0 waited for each all-reduce in the hook that started it"),
     ],
 }
 

@@ -106,6 +106,15 @@ def judge_bucketed_ddp(answers):
             return (f"rank {r} started its first all-reduce after backward had finished: start "
                     f"each bucket's all-reduce from a gradient hook the moment its last gradient "
                     f"is ready, so it overlaps the rest of backward")
+        # overlap is an all-reduce still pending while backward goes on: one not waited for
+        # before the next bucket's launch or the end of backward (read in program order, so
+        # the verdict does not depend on how fast the machine is)
+        launches = [c["t"] for c in reduces[1:]] + [backward_end]
+        if all(c.get("waited", float("inf")) < min(nxt, backward_end)
+               for c, nxt in zip(reduces, launches) if c["t"] < backward_end):
+            return (f"rank {r} waited for each all-reduce in the hook that started it: backward "
+                    f"stops there until the bucket is reduced, so nothing overlaps; keep the "
+                    f"handles and wait for them in finish()")
     return None
 
 

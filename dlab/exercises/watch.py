@@ -59,9 +59,25 @@ def outermost(on_call):
     return factory
 
 
+class _WaitLogged:
+    """An async op's handle that logs when the answer first waits for it (``waited``)."""
+
+    def __init__(self, work, call: dict):
+        self._work, self._call = work, call
+
+    def wait(self, *args, **kwargs):
+        self._call.setdefault("waited", time.perf_counter())
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 def log_collectives(log):
-    """Wrap the collectives to log each call: its kind, the elements it took in and, kept as a
-    reference (read when the answer has returned, so async ops have finished), what it wrote."""
+    """Wrap the collectives to log each call: its kind, the elements it took in, when it was
+    called (``t``) and, for an async one, when the answer first waited for it (``waited``), and,
+    kept as a reference (read when the answer has returned, so async ops have finished), what
+    it wrote."""
     log["calls"] = []
 
     def on_call(name, args, kwargs):
@@ -73,4 +89,17 @@ def log_collectives(log):
                              "in_numel": 0 if inp is None else flat(inp).numel(),
                              "t": time.perf_counter()})
     factory = outermost(on_call)
-    return {name: factory(name) for name in KINDS}
+
+    def handles_logged(name):
+        def wrap(op):
+            watched = factory(name)(op)
+
+            def call(*args, **kwargs):
+                before = len(log["calls"])
+                work = watched(*args, **kwargs)
+                if work is not None and kwargs.get("async_op") and len(log["calls"]) > before:
+                    return _WaitLogged(work, log["calls"][before])
+                return work
+            return call
+        return wrap
+    return {name: handles_logged(name) for name in KINDS}
