@@ -6,14 +6,17 @@ So the stored notebooks keep those outputs: the stable, teaching ones (a formula
 parity verdict). Cells tagged ``reference`` keep theirs too: the measured figures of one run on
 the 2-core CI machine, for a learner to compare with their own; they are also tagged
 ``nbval-ignore-output``, so nbval runs them without comparing. Every other cell is saved empty,
-and the widgets' saved state is dropped, which keeps diffs readable. Run this after editing a
-notebook:
+and the widgets' saved state is dropped, which keeps diffs readable. Each kept output records
+the hash of the source that printed it (``metadata.dlab.source``), so a cell edited after its
+output was stored is caught (tests/test_stored_claims.py) until it is stored again. Run this
+after editing a notebook:
 
     .venv/bin/python tests/store_notebook_outputs.py notebooks/05_zero_fsdp.ipynb   # or no args: all
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -26,18 +29,24 @@ CHECK = "NBVAL_CHECK_OUTPUT"
 REFERENCE = "reference"
 
 
+def source_hash(source: str) -> str:
+    """What a stored output records of the cell that printed it."""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
 def store(path: Path, timeout: int = 900) -> int:
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     nbformat.write(nb, path)
-    return strip(path)
+    return strip(path, ran=True)
 
 
-def strip(path: Path) -> int:
+def strip(path: Path, ran: bool = False) -> int:
     """Keep only checked and reference cells' outputs. nbval refuses a cell with outputs but no
     execution count ("unrun reference cell"), so a kept cell is numbered by its place among code
-    cells, which is what a run from the top gives it."""
+    cells, which is what a run from the top gives it. Only a run (``ran``) records which source
+    printed an output; stripping alone keeps what was recorded."""
     nb = nbformat.read(path, as_version=4)
     nb.metadata.pop("widgets", None)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -52,11 +61,14 @@ def strip(path: Path) -> int:
                 out.get("data", {}).pop("application/vnd.jupyter.widget-view+json", None)
             cell.outputs = [o for o in cell.outputs if o.get("output_type") == "stream" or o.get("data")]
             kept += 1
+            if ran or "dlab" not in cell.metadata:
+                cell.metadata["dlab"] = {"source": source_hash(cell.source)}
             cell.execution_count = number
             for out in cell.outputs:
                 if "execution_count" in out:
                     out["execution_count"] = number
         else:
+            cell.metadata.pop("dlab", None)
             cell.execution_count, cell.outputs = None, []
     nbformat.write(nb, path)
     return kept
