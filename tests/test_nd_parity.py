@@ -70,8 +70,7 @@ def check(world, config, options, runs_dir, reference, reference_config=None):
     for r in range(world):
         pp_rank = r // (world // lay.pp)  # the mesh is row-major over (pp, dp, cp, tp)
         want = nd.model_state(mc, lay, pp_rank, cfg.optimizer)
-        sent = nd.step_bytes(mc, lay, cfg.batch_size, pp_rank, options.get("attention", "ring"),
-                             options.get("ulysses", 2))
+        sent = nd.step_bytes(mc, lay, cfg.batch_size, pp_rank, lay.cp_attention, lay.ulysses)
         gpt = config["model"] == "gpt"
         for m in run.metrics(r):
             got = {k: m["memory"][k] for k in want}

@@ -109,18 +109,18 @@ class Layout:
         divide it: ``problems`` says so); ``microbatches`` to 4 under a pipeline (1 for the
         naive one) and 1 without; ``virtual_stages`` to 2 for the interleaved and V
         schedules."""
-        o = {**defaults, **options}
-        pp, tp, cp = o.get("pp", 1), o.get("tp", 1), o.get("cp", 1)
+        o, d = {**defaults, **options}, cls()  # every default is a field's, declared above
+        pp, tp, cp = o.get(PP, d.pp), o.get(TP, d.tp), o.get(CP, d.cp)
         rest = pp * tp * cp if all(_whole(k) and k > 0 for k in (pp, tp, cp)) else 0
-        dp = o.get("dp", world_size // rest if rest and world_size % rest == 0 else 0)
-        schedule = o.get("schedule", "1f1b")
+        dp = o.get(DP, world_size // rest if rest and world_size % rest == 0 else 0)
+        schedule = o.get("schedule", d.schedule)
         m = o.get("microbatches", 1 if pp == 1 or schedule == "naive" else 4)
         v = o.get("virtual_stages", 2 if schedule in ("interleaved", *schedules.V_SHAPED) else 1)
-        return cls(dp=dp, pp=pp, tp=tp, cp=cp, ep=o.get("ep", 1), zero=o.get("zero", 0),
+        return cls(dp=dp, pp=pp, tp=tp, cp=cp, ep=o.get(EP, d.ep), zero=o.get("zero", d.zero),
                    schedule=schedule, microbatches=m, virtual_stages=v,
-                   sequence_parallel=bool(o.get("sequence_parallel", False)),
-                   cp_layout=o.get("layout", "zigzag"), cp_attention=o.get("attention", "ring"),
-                   ulysses=o.get("ulysses", 2))
+                   sequence_parallel=bool(o.get("sequence_parallel", d.sequence_parallel)),
+                   cp_layout=o.get("layout", d.cp_layout), cp_attention=o.get("attention", d.cp_attention),
+                   ulysses=o.get("ulysses", d.ulysses))
 
     def with_(self, **changes) -> Layout:
         return replace(self, **changes)

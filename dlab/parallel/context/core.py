@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from dlab.core.options import Option
-from dlab.layout import CP, tokens
+from dlab.layout import CP, Layout, tokens
 from dlab.parallel.context import attention as cores
 
 ATTENTION = {"ring": cores.ring_attention, "allgather": cores.allgather_attention,
@@ -14,7 +14,7 @@ ATTENTION = {"ring": cores.ring_attention, "allgather": cores.allgather_attentio
 
 #: the options of context parallelism, in ``cp`` and ``nd`` alike
 ULYSSES = Option("int", "Ulysses ranks per group under attention='usp' (the ring runs across "
-                 "the groups)", default=2, minimum=1)
+                 "the groups)", default=Layout().ulysses, minimum=1)
 
 
 def attention_core(attention: str, mesh, positions: list, timeline=None, ulysses: int = 2):

@@ -42,8 +42,8 @@ class ContextParallel(WholeModel):
 
     OPTIONS = {
         "attention": Option("choice", "how attention sees the other ranks' keys and values",
-                            default="ring", choices=tuple(ATTENTION)),
-        "layout": Option("choice", "how a sequence is cut over the ranks", default="zigzag",
+                            default=Layout().cp_attention, choices=tuple(ATTENTION)),
+        "layout": Option("choice", "how a sequence is cut over the ranks", default=Layout().cp_layout,
                          choices=tokens.LAYOUTS),
         "cp": Option("int", "the context-parallel degree (default: every rank)", minimum=1),
         "ulysses": ULYSSES,
@@ -58,11 +58,7 @@ class ContextParallel(WholeModel):
 
     @classmethod
     def layout(cls, config) -> Layout:
-        o, world = config.options, config.world_size
-        cp = o.get("cp", world)
-        return Layout(dp=world // cp if cp and world % cp == 0 else 0, cp=cp,
-                      cp_layout=o.get("layout", "zigzag"), cp_attention=o.get("attention", "ring"),
-                      ulysses=o.get("ulysses", 2))
+        return Layout.from_options({CP: config.world_size, **config.options}, config.world_size)
 
     def setup(self) -> None:
         ctx = self.ctx

@@ -81,22 +81,24 @@ PIPELINE_OPTIONS = {
                          "NCCL)", minimum=0),
 }
 
+_D = Layout()  # the layout's defaults, declared once as its fields
+
 OPTIONS = {
     "dp": Option("int", "data-parallel replicas (default: world / (pp tp cp))", minimum=1),
-    "pp": Option("int", "pipeline stages (ranks per pipeline)", default=1, minimum=1),
-    "tp": Option("int", "tensor-parallel ranks per layer", default=1, minimum=1),
-    "cp": Option("int", "context-parallel ranks per sequence", default=1, minimum=1),
+    "pp": Option("int", "pipeline stages (ranks per pipeline)", default=_D.pp, minimum=1),
+    "tp": Option("int", "tensor-parallel ranks per layer", default=_D.tp, minimum=1),
+    "cp": Option("int", "context-parallel ranks per sequence", default=_D.cp, minimum=1),
     "ep": Option("int", "expert-parallel ranks, folded onto the dp x cp data ranks (model='moe')",
-                 default=1, minimum=1),
-    "zero": Option("int", "ZeRO stage over the dp x cp data ranks (0-3)", default=0, minimum=0),
-    "schedule": Option("choice", "the pipeline schedule", default="1f1b",
+                 default=_D.ep, minimum=1),
+    "zero": Option("int", "ZeRO stage over the dp x cp data ranks (0-3)", default=_D.zero, minimum=0),
+    "schedule": Option("choice", "the pipeline schedule", default=_D.schedule,
                        choices=tuple(s for s in SCHEDULES if s != "naive")),
     "sequence_parallel": Option("bool", "split the sequence over tp outside the tensor-parallel "
-                                "regions (Korthikanti et al.)", default=False),
-    "attention": Option("choice", "context-parallel attention", default="ring",
+                                "regions (Korthikanti et al.)", default=_D.sequence_parallel),
+    "attention": Option("choice", "context-parallel attention", default=_D.cp_attention,
                         choices=tuple(ATTENTION)),
     "ulysses": ULYSSES,
-    "layout": Option("choice", "how cp cuts a sequence", default="zigzag", choices=tokens.LAYOUTS),
+    "layout": Option("choice", "how cp cuts a sequence", default=_D.cp_layout, choices=tokens.LAYOUTS),
     "precision": PRECISION,
     **PIPELINE_OPTIONS,
     **REDUCE_SCATTER,
