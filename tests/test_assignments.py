@@ -110,6 +110,37 @@ def test_no_release_holds_a_line_of_a_reference_solution(course):
         assert not leaked, f"{path.name}: lines in a release: {leaked}"
 
 
+def test_a_solution_goes_into_its_stub_between_the_delimiters():
+    stub = ('class F(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x):\n'
+            '        raise NotImplementedError\n\n\n'
+            'def f(x):\n    """Doc."""\n    raise NotImplementedError\n')
+    solution = ('import torch\n\n\nclass F(torch.autograd.Function):\n    """Theirs."""\n\n'
+                '    @staticmethod\n    def forward(ctx, x):\n        return x.view_as(x)\n\n\n'
+                'def f(x):\n    """Mine."""\n    # why\n    y = F.apply(x)\n    return y\n')
+    assert assignments.solution_cell(stub, solution, "f") == (
+        'class F(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x):\n'
+        '        ### BEGIN SOLUTION\n        return x.view_as(x)\n        ### END SOLUTION\n\n\n'
+        'def f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    # why\n    y = F.apply(x)\n'
+        '    return y\n    ### END SOLUTION')
+
+
+@pytest.mark.parametrize("solution,says", [
+    ("def g(x):\n    return x\n", "the stub leaves ['f'] to write, the solution defines ['g']"),
+    ("import numpy\n\n\ndef f(x):\n    return x\n", "'import numpy' at module level"),
+    ("SCALE = 2\n\n\ndef f(x):\n    return SCALE * x\n", "line 1 is neither a definition"),
+])
+def test_a_solution_that_does_not_fit_its_stub_is_refused(solution, says):
+    """Before anything is written: a solution the stub has no place for would be lost."""
+    with pytest.raises(assignments.AssignmentError, match=re.escape(says)):
+        assignments.solution_cell("def f(x):\n    raise NotImplementedError\n", solution, "f")
+
+
+def test_a_folder_without_the_notebooks_and_solutions_is_refused(tmp_path):
+    """An installed package (a wheel holds dlab/ only) says where the course is built from."""
+    with pytest.raises(assignments.AssignmentError, match="built from a clone of the repository"):
+        assignments.assignments(tmp_path)
+
+
 def _run(source: str, where: str, scope: dict) -> None:
     """Execute a cell as a kernel would, its lines kept where ``inspect`` (and so ``check``)
     finds them."""

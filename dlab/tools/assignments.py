@@ -57,6 +57,9 @@ c.CourseDirectory.course_id = {COURSE_ID!r}
 # an autograder cell starts 2-4 ranks (a few seconds each, more on a busy machine), past
 # nbgrader's 30 s per cell
 c.Execute.timeout = 600
+# the run directories check writes beside a notebook (runs/exercises/): not copied from a
+# submission into autograded/ and feedback/
+c.CourseDirectory.ignore.append("runs")
 """
 
 
