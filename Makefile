@@ -14,6 +14,9 @@
 #               data/gpu/<device>-<date>/, under 10 minutes on one H100; it needs no network: the
 #               venv's python where there is one, else $(PY) with the machine's own CUDA torch
 #               (GPU_ARGS: e.g. --quick, or --steps attention,matmul --out data/gpu/<folder>)
+#   make assignments  the checked exercises as an nbgrader course in build/assignments/ (ASSIGNMENTS=
+#               another folder): source/ with the reference solutions, release/ without them, for
+#               a graded course (docs/instructor/assignments.md)
 #   make test-compat  the oldest torch dlab declares (TORCH_FLOOR, pyproject.toml's floor) in
 #               its own venv ($(VENV)/compat), and a subset of the tests that touches every
 #               family of strategies, checkpoints, the wire meter and the CLI
@@ -36,10 +39,11 @@ COMPAT_TESTS ?= "tests/test_data_parallel.py::test_matches_single_and_moves_the_
 	tests/test_pipeline_parity.py tests/test_tensor_parity.py tests/test_context_parity.py \
 	tests/test_expert_parity.py tests/test_wire_bytes.py tests/test_faults.py tests/test_install.py
 LAB_PORT ?= 8888
+ASSIGNMENTS ?= build/assignments
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lab test test-slow test-all browser-test screenshots test-compat gpu-session bench clean
+.PHONY: install lab test test-slow test-all browser-test screenshots assignments test-compat gpu-session bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -75,6 +79,10 @@ screenshots:
 
 gpu-session:
 	PYTHONPATH=$(CURDIR) $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -m dlab gpu $(GPU_ARGS)
+
+assignments: install
+	$(BIN)/python -m pip install -q -e ".[grading]"
+	$(BIN)/python -m dlab assignments --out $(ASSIGNMENTS)
 
 test-compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PY) -m venv $(COMPAT_VENV)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("dlab", "tests", "data", "pyproject.toml")
+# notebooks/ and the reference solutions: python -m dlab assignments builds its course from them
+COPIED = ("dlab", "tests", "data", "pyproject.toml", "notebooks", "docs/instructor/solutions")
 
 
 @dataclass
@@ -459,6 +460,28 @@ MUTATIONS = [
         (("        mem[\"activations\"] = holder[\"strategy\"].meter.current  # held now, not the peak\n",
           "        mem[\"activations\"] = holder[\"strategy\"].meter.peak\n"),),
         ("tests/test_gpu_session.py::test_the_allocator_step_counts_the_models_state_by_category",),
+    ),
+    Mutation(
+        "assignment-solution-leaks",
+        "the assignments' builder closes each solution region one line early: the last line ships",
+        "dlab/tools/assignments.py",
+        (("[indent + BEGIN, *body.splitlines(), indent + END]",
+          "[indent + BEGIN, *body.splitlines()[:-1], indent + END, *body.splitlines()[-1:]]"),),
+        ("tests/test_assignments.py::test_no_release_holds_a_line_of_a_reference_solution",),
+    ),
+    Mutation(
+        "assignment-pointer-kept",
+        "the assignments keep the notebooks' pointer to docs/instructor/solutions/",
+        "dlab/tools/assignments.py",
+        (("return Part(ex, POINTER.sub(\"\", text), setup,", "return Part(ex, text, setup,"),),
+        ("tests/test_assignments.py::test_no_release_holds_a_line_of_a_reference_solution",),
+    ),
+    Mutation(
+        "assignment-grades-nothing",
+        "an assignment's autograder cell prints the report and asserts nothing: every answer scores",
+        "dlab/tools/assignments.py",
+        (("\\nprint(report)\\nassert report.ok, report.message\"", "\\nprint(report)\""),),
+        ("tests/test_assignments.py::test_the_autograder_passes_the_reference_and_names_the_mistake",),
     ),
 ]
 

@@ -1,9 +1,10 @@
 """What ``pip install -e .`` promises: every package that dlab/ imports is declared in
-``pyproject.toml`` (the lab's figures, dashboard and magics in the ``lab`` extra, the rest in
-the dependencies), torch has a floor that ``make test-compat`` runs on and no cap (a cap makes
-pip swap a newer torch, a multi-GB CUDA build, for an older one), and a venv built from the
-declared dependencies alone launches a run and answers ``python -m dlab`` commands, saying
-what to install for the lab rather than failing in it."""
+``pyproject.toml`` (the lab's figures, dashboard and magics in the ``lab`` extra, nbgrader for
+``python -m dlab assignments`` in the ``grading`` extra, the rest in the dependencies), torch
+has a floor that ``make test-compat`` runs on and no cap (a cap makes pip swap a newer torch, a
+multi-GB CUDA build, for an older one), and a venv built from the declared dependencies alone
+launches a run and answers ``python -m dlab`` commands, saying what to install for the lab
+rather than failing in it."""
 from __future__ import annotations
 
 import ast
@@ -25,6 +26,8 @@ DISTRIBUTION = {"IPython": "ipython"}
 # where dlab imports the lab extras: figures, the dashboard and the magics, each loaded only
 # when one is asked for (tests/test_architecture.py holds them to that)
 LAB_SIDE = ("dlab/ui/", "dlab/tools/magic.py")
+# where dlab imports the grading extra (nbgrader): python -m dlab assignments, when it runs
+GRADING_SIDE = ("dlab/tools/assignments.py",)
 
 
 def requirement_names(lines: list[str]) -> dict[str, str]:
@@ -39,6 +42,7 @@ def requirement_names(lines: list[str]) -> dict[str, str]:
 
 CORE = requirement_names(PYPROJECT["dependencies"])
 LAB = requirement_names(PYPROJECT["optional-dependencies"]["lab"])
+GRADING = requirement_names(PYPROJECT["optional-dependencies"]["grading"])
 
 
 def third_party_imports() -> dict[str, set[str]]:
@@ -63,14 +67,16 @@ def third_party_imports() -> dict[str, set[str]]:
 def test_every_third_party_import_is_declared():
     imports = third_party_imports()
     assert {"torch", "numpy", "psutil"} <= set(imports), sorted(imports)  # the scan sees them
+    assert "nbgrader" in imports  # the scan sees the deferred import of an extra
     for module, files in imports.items():
         dist = DISTRIBUTION.get(module, module).lower()
-        assert dist in CORE or dist in LAB, (
+        assert dist in CORE or dist in LAB or dist in GRADING, (
             f"dlab imports {module} ({sorted(files)}) but pyproject.toml declares no {dist}")
         if dist not in CORE:
-            outside = [f for f in files if not f.startswith(LAB_SIDE)]
-            assert not outside, (f"{module} is in the lab extra only, but {outside} import it: "
-                                 f"declare it in dependencies or move the import to {LAB_SIDE}")
+            extra, side = ("lab", LAB_SIDE) if dist in LAB else ("grading", GRADING_SIDE)
+            outside = [f for f in files if not f.startswith(side)]
+            assert not outside, (f"{module} is in the {extra} extra only, but {outside} import it: "
+                                 f"declare it in dependencies or move the import to {side}")
 
 
 def test_torch_has_a_floor_that_make_test_compat_runs_and_no_cap():

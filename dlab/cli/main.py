@@ -1,4 +1,4 @@
-"""Command line: ``python -m dlab run|bench|check|env|gpu|lab|plan|strategies|corpus``."""
+"""Command line: ``python -m dlab run|bench|check|env|gpu|lab|plan|strategies|corpus|assignments``."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,8 @@ from dlab.models.corpus import make_corpus
 from dlab.models.data import CORPUS
 from dlab.procs.launch import launch
 from dlab.runtime.preemption import PREEMPTED_EXIT
+from dlab.tools.assignments import DEFAULT_OUT
+from dlab.tools.assignments import main as assignments
 from dlab.tools.check import main as check
 from dlab.tools.gpu import schema as gpu_schema
 from dlab.tools.gpu.session import STEPS as GPU_STEPS
@@ -138,6 +140,10 @@ def _lab(args) -> int:
     return lab(args.port, args.ip, args.jupyter_args)
 
 
+def _assignments(args) -> int:
+    return assignments(["--out", args.out])
+
+
 def _strategies(args) -> int:
     for name in parallel.names():
         strategy = parallel.get(name)
@@ -212,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     pl.set_defaults(func=plan_cli.run)
     sub.add_parser("strategies", help="list the registered strategies").set_defaults(func=_strategies)
     sub.add_parser("corpus", help="write data/corpus.txt again").set_defaults(func=_corpus)
+    a = sub.add_parser("assignments", help="the checked exercises as an nbgrader course: source/ "
+                                           "with the solutions, release/ without (the grading extra)")
+    a.add_argument("--out", default=DEFAULT_OUT, help=f"the course folder (default {DEFAULT_OUT})")
+    a.set_defaults(func=_assignments)
     for command in (r, b, c, pl):  # each writes a file at --json (env's --json is a flag)
         command.set_defaults(json_is_a_path=True)
     args = p.parse_args(argv)
