@@ -155,6 +155,12 @@ def gpu(name: str, model: str, memory_gb: float, hbm: float, intra: float, inter
 PRESETS = {
     "a100-80gb": gpu("A100 80GB SXM (DGX A100, 8 x 200 Gb/s HDR)", "A100", 80, 2.039e12, 232, 24,
                      A100_KERNELS, (("intra", 0.9, 1.05),)),
+    # Jean Zay's A100 partition, where BigScience trained BLOOM (its tr11-176B-ml README:
+    # "8 GPUs per node using NVLink 4 inter-gpu connects, 4 OmniPath links"): four 100 Gb/s
+    # links a node, so each GPU's share of the NICs is an eighth of 50 GB/s, at the share of
+    # line rate the HDR figure keeps (24 of 25 GB/s)
+    "a100-80gb-opa": gpu("A100 80GB SXM (Jean Zay: 8 per node, 4 x 100 Gb/s Omni-Path a node)", "A100",
+                         80, 2.039e12, 232, 6, A100_KERNELS, (("intra", 0.9, 1.05),)),
     "h100-sxm": gpu("H100 SXM (DGX H100, 8 x 400 Gb/s NDR)", "H100", 80, 3.35e12, 370, 48,
                     H100_KERNELS, (("intra", 0.9, 1.3),)),
     "h200": gpu("H200 SXM (HGX H200, 8 x 400 Gb/s NDR)", "H200", 141, 4.8e12, 370, 48,
