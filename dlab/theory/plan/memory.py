@@ -36,14 +36,16 @@ With a = g, f = 4h, GeLU, dropout and the math core this is Korthikanti et al. 2
 s b h (34 + 5 a s / h) without parallelism, s b h (10 + 24 / t + 5 a s / (h t)) with tensor
 parallelism, s b h / t (34 + 5 a s / h) with sequence parallelism too. Selective recomputation
 drops the core's s^2 terms (34 s b h / t), full recomputation keeps only the layer's input,
-2 s b h / r. A pipeline's rank holds ``estimate.pipeline.in_flight`` micro-batches of its
+2 s b h / r (2 s b h / t when the layout distributes it over the tp ranks,
+``PlanLayout.distribute_saved``). A pipeline's rank holds ``estimate.pipeline.in_flight`` micro-batches of its
 layers at once (1F1B's first stage: p of L / p layers, so L layers' worth: their eq. 5), plus
 on the first stage the embedding's dropout mask (s b h / r a micro-batch) and on the last the
 final norm's and head's inputs (2 x 2 s b h / r) and fp32 logits (4 s b V / t) of one micro-batch.
 During a fully recomputed layer's backward, its activations exist again on top.
 
-Buffers: ZeRO-3 gathers two layers' weights at once (the one running and the one prefetched),
-a pipeline rank keeps one send and one receive buffer, and sequence parallelism's all-gather
+Buffers: ZeRO-3 gathers two layers' weights at once (the one running and the one prefetched;
+under DeepSpeed's prefetch bucket the largest submodule and the bucket ahead, plus its gradient
+staging buckets: ``gathered``, ``stacks.Sharding``), a pipeline rank keeps one send and one receive buffer, and sequence parallelism's all-gather
 materialises a layer input of s b h (16-bit) for the QKV and MLP matmuls.
 
 The lab's own GPT (``Transformer.gpt``) is counted by ``dlab.theory.nd`` instead, exactly
@@ -92,6 +94,18 @@ def rank_params(spec, lay, pp_rank: int) -> tuple[float, float]:
     return dense, experts
 
 
+def optimizer_shard(spec, lay, pp_rank: int) -> float:
+    """Parameters whose optimizer state a rank updates: its dense parameters over the ZeRO
+    group (the dp x cp data ranks, ``zero_group`` under hybrid sharding; all of them without
+    ZeRO) and its experts over their owners among that group."""
+    dense, experts = rank_params(spec, lay, pp_rank)
+    if not lay.zero:
+        return dense + experts
+    n = lay.dp * lay.cp
+    shard = lay.zero_group or n
+    return dense / shard + experts / max(min(shard, n // lay.ep), 1)
+
+
 def model_state(spec, lay, pp_rank: int) -> dict[str, float]:
     """Model-state bytes of a rank: ZeRO over the dp x cp data ranks, or over groups of
     ``zero_group`` of them under hybrid sharding."""
@@ -136,6 +150,8 @@ def layer_bytes(spec, lay, micro_batch: int, seq_len: int) -> tuple[float, float
     whole = sum(terms.values())
     if lay.recompute == "full":
         kept = terms["norm inputs"] / 2
+        if lay.distribute_saved and not lay.sequence_parallel:  # the input cut over the tp ranks
+            kept /= lay.tp
         return kept, whole - kept
     if lay.recompute == "selective":
         core = ("softmax", "softmax dropout", "log-sum-exp")
@@ -155,8 +171,8 @@ def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> flo
     e = 4 if lay.precision == "fp32" else 2
     kept, transient = layer_bytes(spec, lay, b, seq_len)
     if lay.recompute_every > 1:  # one layer in k recomputed whole, the others keep everything
-        whole = kept + transient
-        kept = (kept + (lay.recompute_every - 1) * whole) / lay.recompute_every
+        share = spec.recomputed_share(lay.recompute, lay.recompute_every)
+        kept = share * kept + (1 - share) * (kept + transient)
     held = in_flight(lay.schedule, lay.pp, m, pp_rank, lay.virtual_stages) if lay.pp > 1 else 1
     per_micro = layers_on(spec, lay, pp_rank) * kept
     if pp_rank == 0 and spec.dropout:
@@ -167,13 +183,32 @@ def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> flo
     return out + transient
 
 
-def buffers(spec, lay, seq_len: int) -> float:
-    """Communication buffers (module docstring), 16-bit."""
+def gathered(spec, lay, sharding) -> float:
+    """Parameters a ZeRO-3 rank holds gathered at once: two layers' (the running one and the
+    one prefetched: FSDP's), or under a stack that gathers submodules with a prefetch bucket
+    (DeepSpeed's stage3_prefetch_bucket_size) the largest submodule and the bucket ahead of it,
+    never more than two layers'."""
+    layer = spec.layer_params() / lay.tp
+    if not sharding.prefetch:
+        return 2 * layer
+    modules: dict[str, float] = {}
+    for name, n in spec.layer_tensors(lay.tp):
+        modules[name] = modules.get(name, 0.0) + n
+    return min(2 * layer, max(modules.values()) + sharding.prefetch)
+
+
+def buffers(spec, lay, seq_len: int, stack=None) -> float:
+    """Communication buffers (module docstring), 16-bit; ZeRO-3's gathered weights and its
+    gradient staging as ``stack`` holds them (``stacks.Sharding``)."""
     b, s, h, t = lay.micro_batch, seq_len // lay.cp, spec.d_model, lay.tp
     e = 4 if lay.precision == "fp32" else 2
     out = 0.0
     if lay.zero == 3 and lay.dp * lay.cp > 1:
-        out += 2 * e * spec.layer_params() / t
+        sharding = stack.sharding if stack is not None else None
+        if sharding is None:
+            out += 2 * e * spec.layer_params() / t
+        else:
+            out += e * gathered(spec, lay, sharding) + BYTES[lay.precision][1] * sharding.staging
     if lay.pp > 1:
         out += 2 * e * s * b * h / (t if lay.sequence_parallel else 1)
     if lay.sequence_parallel and t > 1:
@@ -181,9 +216,10 @@ def buffers(spec, lay, seq_len: int) -> float:
     return out
 
 
-def memory(spec, lay, global_batch: int, seq_len: int) -> dict[str, float]:
+def memory(spec, lay, global_batch: int, seq_len: int, stack=None) -> dict[str, float]:
     """Bytes per GPU by category on the fullest pipeline rank (the first or the last: the
-    first holds the most micro-batches, the last the head and the logits)."""
+    first holds the most micro-batches, the last the head and the logits); ``stack``: the
+    software stack, whose sharding decides ZeRO-3's buffers (``buffers``)."""
     best = None
     for pp_rank in sorted({0, lay.pp - 1}):
         if spec.gpt is not None:
@@ -192,7 +228,7 @@ def memory(spec, lay, global_batch: int, seq_len: int) -> dict[str, float]:
         else:
             state = model_state(spec, lay, pp_rank)
         out = {**state, "activations": activations(spec, lay, global_batch, seq_len, pp_rank),
-               "buffers": 0.0 if spec.gpt is not None else buffers(spec, lay, seq_len)}
+               "buffers": 0.0 if spec.gpt is not None else buffers(spec, lay, seq_len, stack)}
         out["total"] = math.fsum(out.values())
         out["pp_rank"] = pp_rank
         if best is None or out["total"] > best["total"]:

@@ -231,7 +231,7 @@ def _bigscience(name, layers, hidden, heads, dp, tp, pp, micro, batch, seconds, 
     lay = PlanLayout(dp=dp, tp=tp, pp=pp, zero=1, micro_batch=micro, recompute="full",
                      precision="bf16", attention="math")
     return Published(BIGSCIENCE, spec, "a100-80gb-opa", lay, batch, 2048, "iteration_s", seconds,
-                     "megatron-lm-2021", assumed=where)
+                     "megatron-deepspeed", assumed=where)
 
 
 def _mtnlg(nodes, tflops) -> Published:
@@ -241,7 +241,7 @@ def _mtnlg(nodes, tflops) -> Published:
     lay = PlanLayout(dp=nodes * 8 // 280, tp=8, pp=35, zero=1, micro_batch=1, recompute="full",
                      precision="bf16", attention="math")
     return Published(MTNLG, megatron_gpt("MT-NLG 530B", 105, 20480, 128), "a100-80gb", lay, 1920,
-                     2048, "tflops_per_gpu", tflops, "megatron-lm-2021", "megatron",
+                     2048, "tflops_per_gpu", tflops, "megatron-deepspeed", "megatron",
                      "micro-batch 1, DeepSpeed's 1F1B and ZeRO-1 over the data ranks (not stated)",
                      alternatives=_other_micro(35, 1)[:2])
 
@@ -250,12 +250,15 @@ def _opt() -> Published:
     """OPT-175B as metaseq ran it: tp 8 over 992 GPUs (dp 124), a batch of 2M tokens split as
     metaseq's launcher does (2,097,152 // 124 // 2048 = 8 sequences a data rank, 992 in all),
     FSDP without resharding after forward (--no-reshard-after-forward: zero=2), full
-    recomputation, fp16, tied embeddings, ReLU (two MLP matrices), dropout 0.1."""
-    spec = Transformer("OPT-175B", 96, 12288, 96, 4 * 12288, 50272, tied=True, dropout=True)
+    recomputation with each layer's saved input cut over the tp ranks
+    (--distribute-checkpointed-activations), fp16, tied embeddings, ReLU (two MLP matrices),
+    dropout 0.1, separate Q, K and V projections with biases (fairseq's)."""
+    spec = Transformer("OPT-175B", 96, 12288, 96, 4 * 12288, 50272, tied=True, dropout=True,
+                       split_qkv=True)
     lay = PlanLayout(dp=124, tp=8, zero=2, micro_batch=8, recompute="full", precision="bf16",
-                     attention="math")
-    return Published(OPT, spec, "a100-80gb", lay, 992, 2048, "tflops_per_gpu", 147,
-                     "pytorch-fsdp1-compile", "megatron",
+                     attention="math", distribute_saved=True)
+    return Published(OPT, spec, "a100-80gb", lay, 992, 2048, "tflops_per_gpu", 147, "metaseq",
+                     "megatron",
                      "'up to' 147: the best step; Azure's A100 nodes as DGX A100s (8 x 200 Gb/s)")
 
 
