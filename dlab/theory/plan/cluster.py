@@ -37,7 +37,8 @@ the training runs the planner is checked against, ``dlab.theory.plan.published``
 - ``spread``: how far each constant may be off, as (low, high) multipliers, from which a
   prediction's range comes (``dlab.theory.plan.ranges``): a best-shape matmul figure is an
   upper end (0.92-1.03), the attention papers' figures vary with shape (0.85-1.15), memory
-  bandwidth 0.88-1.08, NVLink from a ring's to NVLink SHARP's, a NIC from 75 % to full rate.
+  bandwidth 0.88-1.08, NVLink from a ring's to NVLink SHARP's, a NIC from 75 % to full rate,
+  a step's latency and a kernel's (or a host tensor operation's) launch from half to twice.
 
 A calibrated profile (``python -m dlab plan calibrate``, ``dump`` and ``load``) replaces these
 with what a machine measured of itself; ``dlab.theory.plan.profile`` checks each of its fields
@@ -134,7 +135,7 @@ class Cluster:
 
 
 GPU_SPREAD = (("matmul", 0.92, 1.03), ("attention", 0.85, 1.15), ("hbm", 0.88, 1.08),
-              ("inter", 0.75, 1.05), ("latency", 0.5, 2.0))
+              ("inter", 0.75, 1.05), ("latency", 0.5, 2.0), ("launch", 0.5, 2.0))
 A100_KERNELS = Kernels(matmul=271.2 / 312, sms=108, tile=(256, 128, 32), best=(1024, 10240, 5120),
                        attention=(("fa2", 0.70, 0.60), ("fa3", 0.70, 0.60)))
 H100_KERNELS = Kernels(matmul=794.5 / 989, sms=132, tile=(128, 256, 64), best=(2048, 2048, 13312),

@@ -32,6 +32,8 @@ under sequence parallelism and 1 without:
                            their product, 3 x 2 s b f / t
     dropout masks          2 x s b h / r      (after attention and after the MLP)
 
+Under torchtitan's selective op policy a layer keeps instead its input, the Q and V
+projections, the attention output, the MLP's first matmul and its output (``op_policy_kept``).
 With a = g, f = 4h, GeLU, dropout and the math core this is Korthikanti et al. 2022 (eq. 1-2):
 s b h (34 + 5 a s / h) without parallelism, s b h (10 + 24 / t + 5 a s / (h t)) with tensor
 parallelism, s b h / t (34 + 5 a s / h) with sequence parallelism too. Selective recomputation
@@ -143,11 +145,32 @@ def layer_activation_terms(spec, lay, micro_batch: int, seq_len: int) -> dict[st
     return terms
 
 
-def layer_bytes(spec, lay, micro_batch: int, seq_len: int) -> tuple[float, float]:
+def op_policy_kept(spec, lay, micro_batch: int, seq_len: int) -> float:
+    """Bytes a layer keeps under torchtitan's selective op policy (its activation_checkpoint.py:
+    the outputs of every matmul but each second one, of the fused attention, and the block's
+    input; every other op recomputed): the input, Q's and V's projections (the first and
+    third of Q, K, V), the attention output and its log-sum-exp, the MLP's first matmul
+    (w1; w3, the second, is recomputed) and its output (w2)."""
+    b, s, h, f = micro_batch, seq_len // lay.cp, spec.d_model, spec.d_ff
+    t = lay.tp
+    r = t if lay.sequence_parallel else 1
+    e = 4 if lay.precision == "fp32" else 2
+    kv = spec.kv_width / min(t, spec.n_kv_head)
+    experts = spec.top_k if spec.n_expert > 1 else 1
+    saved = 2 * h / r + h / t + kv + h / t + experts * f / t
+    return e * s * b * saved + 4 * spec.n_head * s * b / t
+
+
+def layer_bytes(spec, lay, micro_batch: int, seq_len: int, stack=None) -> tuple[float, float]:
     """(what a layer keeps for backward under the layout's recomputation, what its backward
-    holds again on top)."""
+    holds again on top); under selective recomputation ``stack``'s policy decides
+    (``Stack.selective``: Megatron's drops the attention core, torchtitan's op policy keeps
+    ``op_policy_kept``)."""
     terms = layer_activation_terms(spec, lay, micro_batch, seq_len)
     whole = sum(terms.values())
+    if lay.recompute == "selective" and stack is not None and stack.selective == "half-mm":
+        kept = op_policy_kept(spec, lay, micro_batch, seq_len)
+        return kept, whole - kept
     if lay.recompute == "full":
         kept = terms["norm inputs"] / 2
         if lay.distribute_saved and not lay.sequence_parallel:  # the input cut over the tp ranks
@@ -160,7 +183,7 @@ def layer_bytes(spec, lay, micro_batch: int, seq_len: int) -> tuple[float, float
     return whole, 0.0
 
 
-def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> float:
+def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int, stack=None) -> float:
     """Peak activation bytes on a rank at ``pp_rank`` (module docstring)."""
     if spec.gpt is not None and not hasattr(spec.gpt, "n_expert"):  # a MoE's needs its routing
         cfg = dataclasses.replace(spec.gpt, seq_len=seq_len, recompute=lay.recompute)
@@ -169,7 +192,7 @@ def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> flo
     s, h, t = seq_len // lay.cp, spec.d_model, lay.tp
     r = t if lay.sequence_parallel else 1
     e = 4 if lay.precision == "fp32" else 2
-    kept, transient = layer_bytes(spec, lay, b, seq_len)
+    kept, transient = layer_bytes(spec, lay, b, seq_len, stack)
     if lay.recompute_every > 1:  # one layer in k recomputed whole, the others keep everything
         share = spec.recomputed_share(lay.recompute, lay.recompute_every)
         kept = share * kept + (1 - share) * (kept + transient)
@@ -227,7 +250,7 @@ def memory(spec, lay, global_batch: int, seq_len: int, stack=None) -> dict[str, 
             state = nd_estimate.model_state(cfg, lay.for_batch(global_batch), pp_rank, "adam")
         else:
             state = model_state(spec, lay, pp_rank)
-        out = {**state, "activations": activations(spec, lay, global_batch, seq_len, pp_rank),
+        out = {**state, "activations": activations(spec, lay, global_batch, seq_len, pp_rank, stack),
                "buffers": 0.0 if spec.gpt is not None else buffers(spec, lay, seq_len, stack)}
         out["total"] = math.fsum(out.values())
         out["pp_rank"] = pp_rank

@@ -152,7 +152,8 @@ def check(rows=None, loso: dict | None = None, ranges: bool = True) -> list[dict
         p = row.plan(knobs)
         pred = row.predicted(p.step_s)
         entry = {"source": row.source.short, "key": row.source.key, "model": row.model.name,
-                 "gpus": row.gpus, "layout": row.layout.describe(), "stack": row.stack,
+                 "gpus": row.gpus, "batch": row.global_batch, "layout": row.layout.describe(),
+                 "stack": row.stack,
                  "metric": row.metric, "published": row.value, "predicted": pred,
                  "error": pred / row.value - 1, "throughput_error": row.throughput_error(p.step_s),
                  "sustained": sustained, "generation": row.generation, "fits": p.fits,

@@ -117,8 +117,9 @@ BIGSCIENCE = Source("bigscience", "bigscience-workshop/bigscience at e726b15 (20
                     "comparison' tables, 2022-02-21/23): Megatron-DeepSpeed on Jean Zay's A100s",
                     "BigScience (BLOOM) 2022")
 MTNLG = Source("mt-nlg", "Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing "
-               "NLG 530B (arXiv 2201.11990), sec. 2.3: 126, 121 and 113 teraFLOP/s per GPU on 280, "
-               "350 and 420 DGX A100 nodes", "MT-NLG 530B (Smith et al. 2022)")
+               "NLG 530B (arXiv 2201.11990), sec. 2.4: batch 1920 on 280, 350 and 420 DGX A100 "
+               "nodes, 60.1, 50.2 and 44.4 s an iteration, 126, 121 and 113 teraFLOP/s per GPU",
+               "MT-NLG 530B (Smith et al. 2022)")
 OPT = Source("opt", "Zhang et al. 2022, OPT: Open Pre-trained Transformer Language Models (arXiv "
              "2205.01068), sec. 2.4 ('up to 147 TFLOP/s per GPU' on 992 A100 80GB); its settings "
              "from facebookresearch/metaseq: metaseq/launcher/opt_job_constants.py and "
@@ -166,7 +167,7 @@ def _korthikanti(name, layers, hidden, heads, pp, gpus, batch, micro, full_s, pr
                          micro_batch=micro, attention="math", precision="bf16")
         extra = {"mfu": mfu} if recompute == "selective" else {}
         out.append(Published(KORTHIKANTI, spec, "a100-80gb", lay, batch, 2048, "iteration_s", value,
-                             "megatron-lm-2021", assumed="the 1F1B schedule (not stated)", extra=extra,
+                             "megatron-lm-2022", assumed="the 1F1B schedule (not stated)", extra=extra,
                              alternatives=(({"schedule": "interleaved", "virtual_stages": 2},)
                                            if pp > 1 else ())))
     return out

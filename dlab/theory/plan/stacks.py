@@ -29,6 +29,12 @@ prediction names its stack. What a stack decides:
   gather and one gradient reduction carry (a parameter tensor, a submodule's tensors, a layer's
   flat buffer, a bucket), the host's work per collective and per rank in the group, whether
   the host waits for the device before each gather, and which tensors stay gathered;
+- ``tp_backward``: backward's column-parallel collectives (the input gradient's all-reduce,
+  or under sequence parallelism its reduce-scatter and the input's re-gather) run
+  asynchronously beside the GEMMs that follow them, the rest of tensor parallelism blocking:
+  Megatron-LM from 2022 (``LinearWithGradAccumulationAndAsyncCommunication``: the re-gather
+  beside the input-gradient GEMM, the reduce-scatter or all-reduce beside the weight-gradient
+  GEMM; ``--no-async-tensor-model-parallel-allreduce`` turns it off);
 - ``pp_transfers``: the pipeline transfers a stage waits for per micro-batch and model chunk:
   2 where each send goes out with the receive it waits on (Megatron-LM's
   send_forward_recv_backward, one batch_isend_irecv), 4 where every send and receive is its own
@@ -101,6 +107,9 @@ class Stack:
     grads: float = 1.0
     params: float = 1.0
     tp: float = 0.0
+    #: the share of backward's column-parallel collectives that hides behind the GEMMs beside
+    #: them (module docstring), where it exceeds ``tp``
+    tp_backward: float = 0.0
     cp: float = 1.0
     ep: float = 0.0
     pp: float = 0.0
@@ -112,7 +121,7 @@ class Stack:
     pp_transfers: int = 2
 
     def overlaps(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("grads", "params", "tp", "cp", "ep", "pp")}
+        return {k: getattr(self, k) for k in ("grads", "params", "tp", "tp_backward", "cp", "ep", "pp")}
 
     def describe(self) -> str:
         hidden = ", ".join(f"{k} {v:.0%}" for k, v in self.overlaps().items())
@@ -141,15 +150,25 @@ PRESETS = {s.name: s for s in (
           "tensor-parallel collectives and pipeline sends block", fused=True, attention="fa2",
           grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0, bucket=math.inf,
           sharding=MEGATRON_BUCKETS),
+    Stack("megatron-lm-2022",
+          "Megatron-LM as Korthikanti et al. 2022 ran it (mid-2022): the 2021 stack with "
+          "sequence parallelism and selective recomputation, and backward's column-parallel "
+          "collectives asynchronous beside their GEMMs (the re-gather beside the input-gradient "
+          "GEMM, the reduce-scatter or the all-reduce beside the weight-gradient GEMM: "
+          "megatron/mpu/layers.py, async_tensor_model_parallel_allreduce on by default); the "
+          "gradients all-reduced after the last backward, pipeline sends blocking",
+          fused=True, attention="fa2", grads=0.0, params=0.0, tp=0.0, tp_backward=1.0, cp=0.0,
+          ep=0.0, pp=0.0, bucket=math.inf, sharding=MEGATRON_BUCKETS),
     Stack("megatron-lm-2023",
           "Megatron-LM in 2023, before its overlaps (--overlap-grad-reduce came in August 2023, "
           "--tp-comm-overlap in October, --overlap-param-gather in November: its git history): "
           "the fused kernels, FlashAttention-2 (--use-flash-attn, May 2023), sequence "
           "parallelism, the distributed optimizer reduce-scattering every gradient after the "
           "last backward and gathering the weights after the step, tensor-parallel collectives "
-          "and pipeline sends blocking", fused=True, attention="fa2",
-          grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0, bucket=math.inf,
-          sharding=MEGATRON_BUCKETS),
+          "and pipeline sends blocking but backward's column-parallel collectives (as "
+          "megatron-lm-2022)", fused=True, attention="fa2",
+          grads=0.0, params=0.0, tp=0.0, tp_backward=1.0, cp=0.0, ep=0.0, pp=0.0,
+          bucket=math.inf, sharding=MEGATRON_BUCKETS),
     Stack("megatron-deepspeed",
           "Megatron-DeepSpeed as BigScience (BLOOM) and MT-NLG ran it: Megatron-LM's 2021 model "
           "code and fused kernels, DeepSpeed's pipeline engine (1F1B; each send and receive its own "

@@ -14,7 +14,10 @@ at share 0, what the window cannot cover at share 1 (``exposed``). Per micro-bat
   all-gathers and two reduce-scatters), backward as many, again in a fully recomputed
   forward; under sequence parallelism backward gathers the two matmuls' inputs again for
   their weight gradients (Megatron-LM's, and dlab's nd: 10 (t-1)/t of the activation a layer
-  where all-reduces would move 8) unless the stack keeps them (``Stack.sp_regather``); their window is the layer's matmuls (Megatron-Core's --tp-comm-overlap pipelines
+  where all-reduces would move 8) unless the stack keeps them (``Stack.sp_regather``); a stack
+  may hide only backward's column-parallel collectives (``Stack.tp_backward``: the input
+  gradient's all-reduce, or its reduce-scatter and the re-gather, behind the QKV and MLP-in
+  GEMMs beside them, Megatron-LM's asynchronous ones); their window is the layer's matmuls (Megatron-Core's --tp-comm-overlap pipelines
   them with the GEMMs beside them); plus one on the embedding and two at the head, exposed;
 - cp, a ring: (cp-1) passes of the rank's K and V forward, twice that backward (dK and dV come
   back), their window the attention core; an all-gather (Llama 3's): an all-gather of K and V
@@ -84,6 +87,10 @@ def bubble_fraction(lay, m: int) -> float:
     return simulated_bubble(lay.schedule, lay.pp, m, lay.virtual_stages, third, third, third)
 
 
+#: the column-parallel matmuls (their input gradient's collective is the f operator's)
+COLUMN = ("qkv", "mlp in", "mlp gate", "mlp up")
+
+
 def _seconds(ops, cluster, stack, knobs, elt) -> float:
     return sum(op.seconds(cluster, stack, knobs.sustained, elt) for op in ops)
 
@@ -116,6 +123,7 @@ def _compute(spec, cluster, lay, stack, seq_len: int, pp_rank: int, knobs: Knobs
             * spec.recomputed_share(lay.recompute, lay.recompute_every),
             "matmul_forward": total(op for op in fwd if op.kind == "matmul"),
             "matmul_backward": total(op for op in bwd if op.kind == "matmul"),
+            "column_backward": total(op for op in bwd if op.kind == "matmul" and op.name.startswith(COLUMN)),
             "attention_forward": total(op for op in fwd if op.core),
             "attention_backward": total(op for op in bwd if op.core),
             "forward": layers * f + total(ends[0]), "backward": layers * b + total(ends[1])}
@@ -155,9 +163,14 @@ def communication(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp
         # gradients unless the stack kept them from forward (Stack.sp_regather)
         regather = 2 if lay.sequence_parallel and stack.sp_regather else 0
         back = one + regather * collective_time(cluster, "all_gather", act, t)
-        share = _share(stack, knobs, "tp")
+        share, column = _share(stack, knobs, "tp"), _share(stack, knobs, "tp_backward")
         charge("tp", one, comp["matmul_forward"], share, m * layers)
-        charge("tp", back, comp["matmul_backward"], share, m * layers)
+        if column > share:  # the column-parallel layers' collectives behind their own GEMMs
+            row = 2 * collective_time(cluster, "all_gather", act, t) if lay.sequence_parallel else 0.0
+            charge("tp", row, comp["matmul_backward"], share, m * layers)
+            charge("tp", back - row, comp["column_backward"], column, m * layers)
+        else:
+            charge("tp", back, comp["matmul_backward"], share, m * layers)
         again = spec.recomputed_share(lay.recompute, lay.recompute_every) if lay.recompute == "full" else 0.0
         calls = 2 + again
         charge("tp", one, comp["matmul_forward"], share, m * layers * again)
