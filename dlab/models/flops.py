@@ -14,6 +14,7 @@ forward again, 2 N_layer + 4 d s; selective recomputation repeats the attention 
 """
 from __future__ import annotations
 
+
 def attention_forward(d_model: int, keys: int) -> float:
     """Forward FLOPs per token of one layer's attention core: q k^T and the weighted sum of v,
     2 d s each."""

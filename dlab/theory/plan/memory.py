@@ -47,8 +47,9 @@ During a fully recomputed layer's backward, its activations exist again on top.
 
 Buffers: ZeRO-3 gathers two layers' weights at once (the one running and the one prefetched;
 under DeepSpeed's prefetch bucket the largest submodule and the bucket ahead, plus its gradient
-staging buckets: ``gathered``, ``stacks.Sharding``), a pipeline rank keeps one send and one receive buffer, and sequence parallelism's all-gather
-materialises a layer input of s b h (16-bit) for the QKV and MLP matmuls.
+staging buckets: ``gathered``, ``stacks.Sharding``), a pipeline rank keeps one send and one
+receive buffer, and sequence parallelism's all-gather materialises a layer input of s b h
+(16-bit) for the QKV and MLP matmuls.
 
 The lab's own GPT (``Transformer.gpt``) is counted by ``dlab.theory.nd`` instead, exactly
 (biases, norms, padding and Adam's step counters included), in the fp32 it trains in; the

@@ -11,8 +11,8 @@ unless one rank's own chain is longer ("bubble"). Memory is the fullest rank's
 (``dlab.theory.plan.memory``). MFU counts the model's FLOPs (``Transformer.flops_per_token``),
 HFU adds what recomputation repeats (every ``recompute_every``-th layer's forward under full
 recomputation), both over N ranks' peak by ``dlab.models.flops.utilization``, the function
-``dlab.worker.train`` records them with. ``dlab.theory.plan.ranges.step_range`` gives a prediction's low and high step time from
-the spread of the constants it used.
+``dlab.worker.train`` records them with. ``dlab.theory.plan.ranges.step_range`` gives a
+prediction's low and high step time from the spread of the constants it used.
 """
 from __future__ import annotations
 
@@ -159,7 +159,9 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int, stack=None,
         notes.append(f"{lay.world} ranks share {cluster.cores} cores: the step is their CPU seconds "
                      f"over the cores at {cluster.utilization:.0%} filled")
     # per rank, as the runs record them (dlab.worker.train): one utilization function for both
-    mfu, hfu = (utilization(f, tokens, parts["total"], cluster.peak, lay.world) for f in (model_flops, hw_flops))
-    return Prediction(lay, mem, parts, tokens / parts["total"], mfu, hfu, mem["total"] <= capacity, capacity,
+    mfu, hfu = (utilization(f, tokens, parts["total"], cluster.peak, lay.world)
+                for f in (model_flops, hw_flops))
+    return Prediction(lay, mem, parts, tokens / parts["total"], mfu, hfu, mem["total"] <= capacity,
+                      capacity,
                       {**sent, "total": sum(sent.values())}, notes, stack,
                       (spec, cluster, global_batch, seq_len, knobs))

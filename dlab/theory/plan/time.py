@@ -17,8 +17,9 @@ at share 0, what the window cannot cover at share 1 (``exposed``). Per micro-bat
   where all-reduces would move 8) unless the stack keeps them (``Stack.sp_regather``); a stack
   may hide only backward's column-parallel collectives (``Stack.tp_backward``: the input
   gradient's all-reduce, or its reduce-scatter and the re-gather, behind the QKV and MLP-in
-  GEMMs beside them, Megatron-LM's asynchronous ones); their window is the layer's matmuls (Megatron-Core's --tp-comm-overlap pipelines
-  them with the GEMMs beside them); plus one on the embedding and two at the head, exposed;
+  GEMMs beside them, Megatron-LM's asynchronous ones); their window is the layer's matmuls
+  (Megatron-Core's --tp-comm-overlap pipelines them with the GEMMs beside them); plus one on
+  the embedding and two at the head, exposed;
 - cp, a ring: (cp-1) passes of the rank's K and V forward, twice that backward (dK and dV come
   back), their window the attention core; an all-gather (Llama 3's): an all-gather of K and V
   forward, another and a reduce-scatter of their gradients backward;
