@@ -330,6 +330,8 @@ MUTATIONS = [
         (("    at_once = 2 if max(blocks.values()) >= 2 else 1\n", "    at_once = 2\n"),),
         ("tests/test_nd_buffers.py::test_comm_buffers_are_the_formula_on_every_rank_and_step"
          "[4-pp2-dp2-zero3-scheduleinterleaved]",),
+    ),
+    Mutation(
         "nd-resume-cut-moments",
         "nd, ZeRO >= 1: a resume restores the optimizer state (Adam's moments) only of parameters "
         "wholly inside a rank's chunk; those a chunk boundary cuts restart from zero",
@@ -380,6 +382,8 @@ MUTATIONS = [
         (("        strategy.scaler.load_state_dict(reader.scaler())\n", "        pass\n"),),
         ("tests/test_checkpoint_resume.py::"
          "test_a_resume_reproduces_the_uninterrupted_run[nd-dp2-zero1-fp16]",),
+    ),
+    Mutation(
         "plan-overlap-twice",
         "planner: a stack's overlap share applied twice (f x f of a collective hides, not f)",
         "dlab/theory/plan/time.py",
@@ -416,6 +420,72 @@ MUTATIONS = [
           "                      attention_table=())\n"),),
         ("tests/test_plan_profile.py::test_each_field_of_a_profile_moves_the_prediction_it_feeds"
          "[kernels.attention_table]",),
+    ),
+    Mutation(
+        "plan-flops-own-count",
+        "planner: the lab GPT's FLOPs per token counted by the planner's own formula, not the "
+        "runtime's",
+        "dlab/theory/plan/spec.py",
+        (("        if self.gpt is not None:\n"
+          "            return dataclasses.replace(self.gpt, seq_len=seq_len).flops_per_token()\n", ""),),
+        ("tests/test_plan_sharding.py::test_the_planners_flops_per_token_are_the_runtimes_for_the_lab_gpt[options0]",),
+    ),
+    Mutation(
+        "plan-hfu-every-ignored",
+        "planner: HFU counts every layer recomputed whatever recompute_every says",
+        "dlab/theory/plan/spec.py",
+        (("flops.recomputed_per_token(recompute, every, self.n_layer",
+          "flops.recomputed_per_token(recompute, 1, self.n_layer"),),
+        ("tests/test_plan_sharding.py::test_hfu_follows_recompute_every[2]",),
+    ),
+    Mutation(
+        "plan-zero3-no-window",
+        "planner: ZeRO-3's forward gathers hide behind nothing (the layer before's compute ignored)",
+        "dlab/theory/plan/time.py",
+        (("        add(ag, f_layer, params, m * (layers - 1))\n",
+          "        add(ag, 0.0, params, m * (layers - 1))\n"),),
+        ("tests/test_plan_sharding.py::test_a_zero3_step_whose_window_is_shorter_than_its_gathers_exposes_the_difference",),
+    ),
+    Mutation(
+        "plan-per-tensor-as-block",
+        "planner: a stack that gathers each parameter tensor alone priced as one gather a layer",
+        "dlab/theory/plan/time.py",
+        (("    if unit == \"tensor\":\n", "    if unit == \"each tensor\":\n"),),
+        ("tests/test_plan_sharding.py::test_a_stack_that_gathers_per_tensor_pays_each_collectives_latency",),
+    ),
+    Mutation(
+        "plan-blind-overwritten",
+        "planner: a source's blind score written over by a later one",
+        "dlab/theory/plan/published.py",
+        (("    if again or missing:\n", "    if missing:\n"),),
+        ("tests/test_plan_sharding.py::test_a_blind_score_is_written_once",),
+    ),
+    Mutation(
+        "plan-sp-regather-dropped",
+        "planner: sequence parallelism's backward re-gather of the matmul inputs left out (8 "
+        "(t-1)/t a layer where Megatron and dlab move 10)",
+        "dlab/theory/plan/time.py",
+        (("        regather = 2 if lay.sequence_parallel and stack.sp_regather else 0\n",
+          "        regather = 0\n"),),
+        ("tests/test_plan.py::test_tensor_parallel_bytes_are_korthikantis_per_layer_count"
+         "[megatron-core-2024-True-10]",),
+    ),
+    Mutation(
+        "plan-saved-input-whole",
+        "planner: a recomputed layer's saved input kept whole on every tp rank where the layout "
+        "distributes it",
+        "dlab/theory/plan/memory.py",
+        (("            kept /= lay.tp\n", "            kept /= 1\n"),),
+        ("tests/test_plan_sharding.py::test_memory_follows_what_the_stack_keeps",),
+    ),
+    Mutation(
+        "plan-deepspeed-two-layers",
+        "planner: DeepSpeed's ZeRO-3 charged two gathered layers, not its largest submodule and "
+        "prefetch bucket",
+        "dlab/theory/plan/memory.py",
+        (("    return min(2 * layer, max(modules.values()) + sharding.prefetch)\n",
+          "    return 2 * layer\n"),),
+        ("tests/test_plan_sharding.py::test_memory_follows_what_the_stack_keeps",),
     ),
 ]
 
