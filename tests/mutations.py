@@ -483,6 +483,72 @@ MUTATIONS = [
         (("\\nprint(report)\\nassert report.ok, report.message\"", "\\nprint(report)\""),),
         ("tests/test_assignments.py::test_the_autograder_passes_the_reference_and_names_the_mistake",),
     ),
+    Mutation(
+        "plan-flops-own-count",
+        "planner: the lab GPT's FLOPs per token counted by the planner's own formula, not the "
+        "runtime's",
+        "dlab/theory/plan/spec.py",
+        (("        if self.gpt is not None:\n"
+          "            return dataclasses.replace(self.gpt, seq_len=seq_len).flops_per_token()\n", ""),),
+        ("tests/test_plan_sharding.py::test_the_planners_flops_per_token_are_the_runtimes_for_the_lab_gpt[options0]",),
+    ),
+    Mutation(
+        "plan-hfu-every-ignored",
+        "planner: HFU counts every layer recomputed whatever recompute_every says",
+        "dlab/theory/plan/spec.py",
+        (("flops.recomputed_per_token(recompute, every, self.n_layer",
+          "flops.recomputed_per_token(recompute, 1, self.n_layer"),),
+        ("tests/test_plan_sharding.py::test_hfu_follows_recompute_every[2]",),
+    ),
+    Mutation(
+        "plan-zero3-no-window",
+        "planner: ZeRO-3's forward gathers hide behind nothing (the layer before's compute ignored)",
+        "dlab/theory/plan/time.py",
+        (("        add(ag, f_layer, params, m * (layers - 1))\n",
+          "        add(ag, 0.0, params, m * (layers - 1))\n"),),
+        ("tests/test_plan_sharding.py::test_a_zero3_step_whose_window_is_shorter_than_its_gathers_exposes_the_difference",),
+    ),
+    Mutation(
+        "plan-per-tensor-as-block",
+        "planner: a stack that gathers each parameter tensor alone priced as one gather a layer",
+        "dlab/theory/plan/time.py",
+        (("    if unit == \"tensor\":\n", "    if unit == \"each tensor\":\n"),),
+        ("tests/test_plan_sharding.py::test_a_stack_that_gathers_per_tensor_pays_each_collectives_latency",),
+    ),
+    Mutation(
+        "plan-blind-overwritten",
+        "planner: a source's blind score written over by a later one",
+        "dlab/theory/plan/published.py",
+        (("    if again or missing:\n", "    if missing:\n"),),
+        ("tests/test_plan_sharding.py::test_a_blind_score_is_written_once",),
+    ),
+    Mutation(
+        "plan-sp-regather-dropped",
+        "planner: sequence parallelism's backward re-gather of the matmul inputs left out (8 "
+        "(t-1)/t a layer where Megatron and dlab move 10)",
+        "dlab/theory/plan/time.py",
+        (("        regather = 2 if lay.sequence_parallel and stack.sp_regather else 0\n",
+          "        regather = 0\n"),),
+        ("tests/test_plan.py::test_tensor_parallel_bytes_are_korthikantis_per_layer_count"
+         "[megatron-core-2024-True-10]",),
+    ),
+    Mutation(
+        "plan-saved-input-whole",
+        "planner: a recomputed layer's saved input kept whole on every tp rank where the layout "
+        "distributes it",
+        "dlab/theory/plan/memory.py",
+        (("            kept /= lay.tp\n", "            kept /= 1\n"),),
+        ("tests/test_plan_sharding.py::test_memory_follows_what_the_stack_keeps",),
+    ),
+    Mutation(
+        "plan-deepspeed-two-layers",
+        "planner: DeepSpeed's ZeRO-3 charged two gathered layers, not its largest submodule and "
+        "prefetch bucket",
+        "dlab/theory/plan/memory.py",
+        (("    return min(2 * layer, max(modules.values()) + sharding.prefetch)\n",
+          "    return 2 * layer\n"),),
+        ("tests/test_plan_sharding.py::test_memory_follows_what_the_stack_keeps",),
+    ),
 ]
 
 

@@ -292,30 +292,36 @@ def test_every_overlap_share_hides_in_proportion_to_itself(name, part, lay, mode
 
 def test_tensor_parallel_collectives_show_whole_without_overlap_and_hide_with_it():
     """Korthikanti et al.: two all-reduces of b s h forward and two backward per layer (with
-    sequence parallelism two all-gathers and two reduce-scatters each way, the same bytes).
+    sequence parallelism two all-gathers and two reduce-scatters each way, the same bytes, and
+    Megatron's backward gathers the two matmul inputs again for their weight gradients).
     Without overlap every one is exposed; with it those behind the matmuls hide."""
     lay = PlanLayout(dp=8, tp=8, sequence_parallel=True)
     none = dataclasses.replace(stacks.preset("megatron-core-2024"), tp=0.0)
     full = dataclasses.replace(none, tp=1.0)
     shown = plan(LLAMA70, H100, lay, 64, 4096, none)
     m, act = 8, 2 * 4096 * LLAMA70.d_model
-    per = 2 * collectives.collective_time(H100, "all_gather", act, 8) \
-        + 2 * collectives.collective_time(H100, "reduce_scatter", act, 8)
+    gather = collectives.collective_time(H100, "all_gather", act, 8)
+    per = 2 * gather + 2 * collectives.collective_time(H100, "reduce_scatter", act, 8)
     ends = 3 * collectives.collective_time(H100, "reduce_scatter", act, 8)
-    assert shown.time["tp_comm"] == pytest.approx(m * (2 * LLAMA70.n_layer * per + ends), rel=1e-9)
+    assert shown.time["tp_comm"] == pytest.approx(
+        m * (LLAMA70.n_layer * (2 * per + 2 * gather) + ends), rel=1e-9)
     hidden = plan(LLAMA70, H100, lay, 64, 4096, full)
     assert hidden.time["tp_comm"] == pytest.approx(m * ends, rel=1e-9)  # only the ends show
 
 
-def test_tensor_parallel_bytes_are_korthikantis_per_layer_count():
+@pytest.mark.parametrize("stack,sp,per_layer", [
+    ("megatron-core-2024", False, 8), ("megatron-core-2024", True, 10), ("torchtitan-fsdp2", True, 8)])
+def test_tensor_parallel_bytes_are_korthikantis_per_layer_count(stack, sp, per_layer):
     """Sent by a rank per step: 4 all-reduces of b s h per layer and micro-batch, 2 (t-1)/t of
-    each (the ring), plus one at the embedding and two at the head."""
+    each (the ring): 8 (t-1)/t; under sequence parallelism 10 (t-1)/t where the stack gathers
+    the two matmul inputs again in backward (Megatron's, and dlab's nd: ``theory.tensor``'s
+    layer_bytes), 8 where it keeps them (PyTorch's SequenceParallel, torchtitan); plus one
+    collective at the embedding and two at the head."""
     t, m, layers = 8, 8, LLAMA70.n_layer
     act = 2 * 1 * 4096 * LLAMA70.d_model
-    for sp in (False, True):
-        p = plan(LLAMA70, H100, PlanLayout(dp=8, tp=t, sequence_parallel=sp), 64, 4096)
-        ends = 3 * (1 if sp else 2) * (t - 1) / t * act
-        assert p.sent["tp"] == pytest.approx(m * (layers * 4 * 2 * (t - 1) / t * act + ends))
+    p = plan(LLAMA70, H100, PlanLayout(dp=8, tp=t, sequence_parallel=sp), 64, 4096, stack)
+    ends = 3 * (1 if sp else 2) * (t - 1) / t * act
+    assert p.sent["tp"] == pytest.approx(m * (layers * per_layer * (t - 1) / t * act + ends))
 
 
 def test_data_parallel_bytes_are_the_zero_papers_ring_volumes():
@@ -382,12 +388,13 @@ def test_recomputation_trades_time_for_memory():
 
 def test_a_stack_that_waits_shows_its_gradient_reduction_whole():
     """Megatron-LM 2021's local DDP all-reduced its flat buffer after the pipeline's backward:
-    the whole ring shows; Megatron-Core's buckets hide behind the last backward."""
+    the whole ring shows, and the host's two operations to issue it (a view and the call, 3 us
+    each); Megatron-Core's buckets hide behind the last backward."""
     lay = PlanLayout(dp=32, tp=8)
     late = plan(LLAMA70, H100, lay, 256, 4096, "megatron-lm-2021")
     early = plan(LLAMA70, H100, lay, 256, 4096, "megatron-core-2024")
     psi = sum(rank_params(LLAMA70, lay, 0))
-    whole = collectives.collective_time(H100, "all_reduce", 2 * psi, 32, 8)
+    whole = collectives.collective_time(H100, "all_reduce", 2 * psi, 32, 8) + 2 * 3e-6
     assert late.time["data_comm"] == pytest.approx(whole, rel=1e-9)
     assert 0 < early.time["data_comm"] < late.time["data_comm"]
 

@@ -99,5 +99,6 @@ def test_cli_prints_the_published_rows_beside_their_predictions(capsys, tmp_path
     out = capsys.readouterr().out
     rows = json.loads(out_file.read_text())
     assert f"all: mean absolute error {published.mean_abs_error(rows):.1%}" in out
+    assert "blind: MAE" in out and "(built on)" in out  # each source's first score beside its current
     assert len(rows) == len(published.ROWS)
     assert all(r["model"][:15] in out for r in rows)

@@ -20,14 +20,16 @@ def results():
 
 
 def test_the_rows_come_from_six_sources_and_cover_what_issue_36_asks():
-    """At least 40 rows from 6 sources, each citing its table or page and date: Megatron-style
-    3D, ZeRO-3/FSDP at 128 GPUs or more, PyTorch-native FSDP, two GPU generations, context
-    parallelism."""
+    """At least 40 rows from 6 sources, each citing its table, section or page and date:
+    Megatron-style 3D, ZeRO-3/FSDP at 128 GPUs or more, PyTorch-native FSDP, two GPU
+    generations, context parallelism; and (issue 47) A100 runs of software other than
+    Megatron-LM's own."""
     assert len(ROWS) >= 40
     sources = {r.source for r in ROWS}
     assert len(sources) >= 6
-    assert all(("table" in s.cite or ".md" in s.cite or "README" in s.cite) and "20" in s.cite
+    assert all(any(w in s.cite for w in ("table", "sec.", ".md", "README")) and "20" in s.cite
                for s in sources)
+    assert {r.stack for r in ROWS if r.generation == "A100"} >= {"megatron-deepspeed", "metaseq"}
     assert any(r.layout.tp > 1 and r.layout.pp > 1 and r.layout.dp > 1 for r in ROWS)
     assert any(r.layout.zero == 3 and r.gpus >= 128 for r in ROWS)
     assert any(r.stack.startswith("torchtitan") for r in ROWS)
@@ -37,10 +39,13 @@ def test_the_rows_come_from_six_sources_and_cover_what_issue_36_asks():
 
 def test_every_source_is_predicted_within_15_percent_out_of_sample(results):
     """Each source scored with the sustained shares fitted on the other sources' rows only:
-    mean absolute throughput error at most 15 % per source, 10 % over all rows; the signed mean
-    within 5 % of zero; at least 80 % of the published figures inside their ranges."""
+    mean absolute throughput error at most 15 % per source the planner was built on and 25 %
+    per source added blind (issue 47's bar for sources out of sample), 10 % over all rows; the
+    signed mean within 5 % of zero; at least 80 % of the published figures inside their
+    ranges."""
+    blind = published.blind_scores()
     for key, s in published.by_source(results).items():
-        assert s["mean_abs"] <= 0.15, (key, s)
+        assert s["mean_abs"] <= (0.25 if blind[key]["blind"] else 0.15), (key, s)
     assert published.mean_abs_error(results) <= 0.10
     assert abs(published.signed_mean_error(results)) <= 0.05
     assert sum(r["inside"] for r in results) >= 0.8 * len(results)
@@ -50,88 +55,125 @@ def test_every_source_is_predicted_within_15_percent_out_of_sample(results):
 #: than 2 points (a term dropped from the step, a dimension's traffic miscounted) must be
 #: deliberate and its table re-recorded
 BANDS = {
-    ('narayanan2021', 'GPT 1.7B', 32, 'dp32 mb1 full', 'megatron-lm-2021'): -0.066,
-    ('narayanan2021', 'GPT 3.6B', 64, 'dp32 x tp2 mb1 full', 'megatron-lm-2021'): -0.032,
-    ('narayanan2021', 'GPT 7.5B', 128, 'dp32 x tp4 mb1 full', 'megatron-lm-2021'): -0.127,
-    ('narayanan2021', 'GPT 18.4B', 256, 'dp32 x tp8 mb1 full', 'megatron-lm-2021'): -0.109,
-    ('narayanan2021', 'GPT 39.1B', 512,
-     'pp2 x dp32 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.025,
-    ('narayanan2021', 'GPT 76.1B', 1024,
-     'pp4 x dp32 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): +0.045,
-    ('narayanan2021', 'GPT 145.6B', 1536,
-     'pp8 x dp24 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.001,
-    ('narayanan2021', 'GPT 310.1B', 1920,
-     'pp16 x dp15 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): +0.004,
-    ('narayanan2021', 'GPT 529.6B', 2520,
-     'pp35 x dp9 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.032,
-    ('narayanan2021', 'GPT 1008.0B', 3072,
-     'pp64 x dp6 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.029,
-    ('korthikanti2022', 'GPT 22B', 8, 'tp8 mb4 full', 'megatron-lm-2021'): -0.029,
-    ('korthikanti2022', 'GPT 22B', 8, 'tp8 sp mb4 selective', 'megatron-lm-2021'): +0.024,
-    ('korthikanti2022', 'GPT-3 175B', 64, 'pp8 x tp8 1f1b mb1 full', 'megatron-lm-2021'): -0.114,
-    ('korthikanti2022', 'GPT-3 175B', 64, 'pp8 x tp8 sp 1f1b mb1 selective', 'megatron-lm-2021'): -0.074,
-    ('korthikanti2022', 'MT-NLG 530B', 280, 'pp35 x tp8 1f1b mb1 full', 'megatron-lm-2021'): -0.133,
-    ('korthikanti2022', 'MT-NLG 530B', 280, 'pp35 x tp8 sp 1f1b mb1 selective', 'megatron-lm-2021'): -0.078,
-    ('korthikanti2022', 'GPT 1T', 512, 'pp64 x tp8 1f1b mb1 full', 'megatron-lm-2021'): -0.114,
-    ('korthikanti2022', 'GPT 1T', 512, 'pp64 x tp8 sp 1f1b mb1 selective', 'megatron-lm-2021'): -0.071,
-    ('llama3', 'Llama 3 405B', 8192, 'pp16 x dp64 x tp8 zero2 sp interleaved v4 mb1', 'llama3-meta'): -0.106,
-    ('llama3', 'Llama 3 405B', 16384,
+    ('narayanan2021', 'GPT 1.7B', 32, 512, 'dp32 mb1 full', 'megatron-lm-2021'): -0.108,
+    ('narayanan2021', 'GPT 3.6B', 64, 512, 'dp32 x tp2 mb1 full', 'megatron-lm-2021'): -0.074,
+    ('narayanan2021', 'GPT 7.5B', 128, 512, 'dp32 x tp4 mb1 full', 'megatron-lm-2021'): -0.167,
+    ('narayanan2021', 'GPT 18.4B', 256, 1024, 'dp32 x tp8 mb1 full', 'megatron-lm-2021'): -0.148,
+    ('narayanan2021', 'GPT 39.1B', 512, 1536,
+     'pp2 x dp32 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.069,
+    ('narayanan2021', 'GPT 76.1B', 1024, 1792,
+     'pp4 x dp32 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.004,
+    ('narayanan2021', 'GPT 145.6B', 1536, 2304,
+     'pp8 x dp24 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.050,
+    ('narayanan2021', 'GPT 310.1B', 1920, 2160,
+     'pp16 x dp15 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.047,
+    ('narayanan2021', 'GPT 529.6B', 2520, 2520,
+     'pp35 x dp9 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.082,
+    ('narayanan2021', 'GPT 1008.0B', 3072, 3072,
+     'pp64 x dp6 x tp8 interleaved v2 mb1 full', 'megatron-lm-2021'): -0.080,
+    ('korthikanti2022', 'GPT 22B', 8, 4, 'tp8 mb4 full', 'megatron-lm-2022'): -0.023,
+    ('korthikanti2022', 'GPT 22B', 8, 4, 'tp8 sp mb4 selective', 'megatron-lm-2022'): +0.011,
+    ('korthikanti2022', 'GPT-3 175B', 64, 64,
+     'pp8 x tp8 1f1b mb1 full', 'megatron-lm-2022'): -0.131,
+    ('korthikanti2022', 'GPT-3 175B', 64, 64,
+     'pp8 x tp8 sp 1f1b mb1 selective', 'megatron-lm-2022'): -0.103,
+    ('korthikanti2022', 'MT-NLG 530B', 280, 280,
+     'pp35 x tp8 1f1b mb1 full', 'megatron-lm-2022'): -0.160,
+    ('korthikanti2022', 'MT-NLG 530B', 280, 280,
+     'pp35 x tp8 sp 1f1b mb1 selective', 'megatron-lm-2022'): -0.116,
+    ('korthikanti2022', 'GPT 1T', 512, 512, 'pp64 x tp8 1f1b mb1 full', 'megatron-lm-2022'): -0.145,
+    ('korthikanti2022', 'GPT 1T', 512, 512,
+     'pp64 x tp8 sp 1f1b mb1 selective', 'megatron-lm-2022'): -0.113,
+    ('llama3', 'Llama 3 405B', 8192, 2048,
+     'pp16 x dp64 x tp8 zero2 sp interleaved v4 mb1', 'llama3-meta'): -0.106,
+    ('llama3', 'Llama 3 405B', 16384, 2048,
      'pp16 x dp128 x tp8 zero2 sp interleaved v4 mb1', 'llama3-meta'): -0.128,
-    ('llama3', 'Llama 3 405B', 16384,
+    ('llama3', 'Llama 3 405B', 16384, 128,
      'pp16 x dp8 x cp16 x tp8 zero2 sp interleaved v4 mb1', 'llama3-meta'): -0.173,
-    ('megatron-core', 'GPT 1.7B', 48, 'dp48 zero1 mb1', 'megatron-core-2024'): +0.151,
-    ('megatron-core', 'GPT 7.1B', 96, 'dp48 x tp2 zero1 sp mb1', 'megatron-core-2024'): +0.070,
-    ('megatron-core', 'GPT 16B', 192, 'dp48 x tp4 zero1 sp mb1', 'megatron-core-2024'): -0.087,
-    ('megatron-core', 'GPT 32B', 384, 'dp48 x tp8 zero1 sp mb1', 'megatron-core-2024'): -0.252,
-    ('megatron-core', 'GPT 70B', 768,
-     'pp2 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.058,
-    ('megatron-core', 'GPT 119B', 1536,
-     'pp4 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.033,
-    ('megatron-core', 'GPT 177B', 2304,
-     'pp6 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.025,
-    ('megatron-core', 'GPT 314B', 3072,
-     'pp8 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.071,
-    ('megatron-core', 'GPT 462B', 6144,
-     'pp16 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.051,
-    ('megatron-core', 'GPT 177B', 96,
-     'pp6 x dp2 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): +0.062,
-    ('megatron-core', 'GPT 177B', 4608,
-     'pp6 x dp96 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.118,
-    ('torchtitan', 'Llama 3 8B', 64, 'dp64 zero3 mb1 full/2', 'torchtitan-fsdp2'): +0.074,
-    ('torchtitan', 'Llama 3 8B', 64, 'dp64 zero3 mb1 selective', 'torchtitan-fsdp2'): +0.079,
-    ('torchtitan', 'Llama 3 70B', 64, 'dp64 zero3 mb1 full', 'torchtitan-fsdp2'): +0.074,
-    ('torchtitan', 'Llama 2 13B', 64, 'dp64 zero3 mb2', 'torchtitan-fsdp2'): +0.107,
-    ('torchtitan', 'Llama 2 13B', 64, 'dp64 zero3 mb2 full/2', 'torchtitan-fsdp2'): +0.082,
-    ('torchtitan', 'Llama 2 13B', 64, 'dp64 zero3 mb2 selective', 'torchtitan-fsdp2'): +0.123,
-    ('torchtitan', 'Llama 2 70B', 64, 'dp64 zero3 mb1 selective', 'torchtitan-fsdp2'): +0.150,
-    ('torchtitan', 'Llama 2 70B', 64, 'dp64 zero3 mb2 full', 'torchtitan-fsdp2'): +0.067,
-    ('torchtitan', 'Llama 3 8B', 8, 'dp8 zero3 mb2 selective', 'torchtitan-fsdp2'): -0.023,
-    ('torchtitan', 'Llama 3 8B', 8, 'dp8 zero3 mb2 selective', 'torchtitan-fsdp2-compile'): -0.007,
-    ('torchtitan', 'Llama 3 8B', 128, 'dp128 zero3 mb2 selective', 'torchtitan-fsdp2'): +0.007,
-    ('torchtitan', 'Llama 3 8B', 128, 'dp128 zero3 mb2 selective', 'torchtitan-fsdp2-compile'): +0.019,
-    ('llm-foundry', 'MPT 70b', 512, 'dp512 zero3 mb8 full', 'pytorch-fsdp1'): +0.030,
-    ('llm-foundry', 'MPT 70b', 256, 'dp256 zero3 mb8 full', 'pytorch-fsdp1'): +0.004,
-    ('llm-foundry', 'MPT 70b', 128, 'dp128 zero3 mb8 full', 'pytorch-fsdp1'): -0.017,
-    ('llm-foundry', 'MPT 30b', 512, 'dp512 zero3 mb8 full', 'pytorch-fsdp1'): +0.045,
-    ('llm-foundry', 'MPT 30b', 256, 'dp256 zero3 mb8 full', 'pytorch-fsdp1'): +0.032,
-    ('llm-foundry', 'MPT 30b', 128, 'dp128 zero3 mb8 full', 'pytorch-fsdp1'): +0.009,
-    ('llm-foundry', 'MPT 13b', 512, 'dp512 zero3 mb16 full', 'pytorch-fsdp1'): -0.004,
-    ('llm-foundry', 'MPT 13b', 256, 'dp256 zero3 mb16 full', 'pytorch-fsdp1'): -0.009,
-    ('llm-foundry', 'MPT 13b', 128, 'dp128 zero3 mb16 full', 'pytorch-fsdp1'): -0.025,
-    ('llm-foundry', 'MPT 7b', 512, 'dp512 zero3 mb6', 'pytorch-fsdp1'): +0.194,
-    ('llm-foundry', 'MPT 7b', 256, 'dp256 zero3 mb6', 'pytorch-fsdp1'): +0.157,
-    ('llm-foundry', 'MPT 7b', 128, 'dp128 zero3 mb6', 'pytorch-fsdp1'): +0.125,
-    ('llm-foundry', 'MPT 3b', 512, 'dp512 zero2 mb8', 'pytorch-fsdp1'): +0.154,
-    ('llm-foundry', 'MPT 3b', 256, 'dp256 zero2 mb8', 'pytorch-fsdp1'): +0.116,
-    ('llm-foundry', 'MPT 3b', 128, 'dp128 zero2 mb8', 'pytorch-fsdp1'): +0.093,
-    ('llm-foundry', 'MPT 1b', 512, 'dp512 zero2 mb12', 'pytorch-fsdp1'): +0.208,
-    ('llm-foundry', 'MPT 1b', 256, 'dp256 zero2 mb12', 'pytorch-fsdp1'): +0.150,
-    ('llm-foundry', 'MPT 1b', 128, 'dp128 zero2 mb12', 'pytorch-fsdp1'): +0.118,
+    ('megatron-core', 'GPT 1.7B', 48, 192, 'dp48 zero1 mb1', 'megatron-core-2024'): +0.150,
+    ('megatron-core', 'GPT 7.1B', 96, 192, 'dp48 x tp2 zero1 sp mb1', 'megatron-core-2024'): +0.069,
+    ('megatron-core', 'GPT 16B', 192, 192, 'dp48 x tp4 zero1 sp mb1', 'megatron-core-2024'): -0.090,
+    ('megatron-core', 'GPT 32B', 384, 192, 'dp48 x tp8 zero1 sp mb1', 'megatron-core-2024'): -0.256,
+    ('megatron-core', 'GPT 70B', 768, 384,
+     'pp2 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.063,
+    ('megatron-core', 'GPT 119B', 1536, 768,
+     'pp4 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.038,
+    ('megatron-core', 'GPT 177B', 2304, 1152,
+     'pp6 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.029,
+    ('megatron-core', 'GPT 314B', 3072, 1536,
+     'pp8 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.073,
+    ('megatron-core', 'GPT 462B', 6144, 3072,
+     'pp16 x dp48 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.054,
+    ('megatron-core', 'GPT 177B', 96, 1152,
+     'pp6 x dp2 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): +0.057,
+    ('megatron-core', 'GPT 177B', 4608, 1152,
+     'pp6 x dp96 x tp8 zero1 sp interleaved v2 mb1', 'megatron-core-2024'): -0.121,
+    ('torchtitan', 'Llama 3 8B', 64, 64, 'dp64 zero3 mb1 full/2', 'torchtitan-fsdp2'): -0.018,
+    ('torchtitan', 'Llama 3 8B', 64, 64, 'dp64 zero3 mb1 selective', 'torchtitan-fsdp2'): -0.011,
+    ('torchtitan', 'Llama 3 70B', 64, 64, 'dp64 zero3 mb1 full', 'torchtitan-fsdp2'): -0.023,
+    ('torchtitan', 'Llama 2 13B', 64, 128, 'dp64 zero3 mb2', 'torchtitan-fsdp2'): +0.012,
+    ('torchtitan', 'Llama 2 13B', 64, 128, 'dp64 zero3 mb2 full/2', 'torchtitan-fsdp2'): -0.011,
+    ('torchtitan', 'Llama 2 13B', 64, 128, 'dp64 zero3 mb2 selective', 'torchtitan-fsdp2'): +0.029,
+    ('torchtitan', 'Llama 2 70B', 64, 64, 'dp64 zero3 mb1 selective', 'torchtitan-fsdp2'): +0.053,
+    ('torchtitan', 'Llama 2 70B', 64, 128, 'dp64 zero3 mb2 full', 'torchtitan-fsdp2'): -0.029,
+    ('torchtitan', 'Llama 3 8B', 8, 16, 'dp8 zero3 mb2 selective', 'torchtitan-fsdp2'): -0.023,
+    ('torchtitan', 'Llama 3 8B', 8, 16,
+     'dp8 zero3 mb2 selective', 'torchtitan-fsdp2-compile'): -0.007,
+    ('torchtitan', 'Llama 3 8B', 128, 256, 'dp128 zero3 mb2 selective', 'torchtitan-fsdp2'): +0.007,
+    ('torchtitan', 'Llama 3 8B', 128, 256,
+     'dp128 zero3 mb2 selective', 'torchtitan-fsdp2-compile'): +0.019,
+    ('llm-foundry', 'MPT 70b', 512, 4096, 'dp512 zero3 mb8 full', 'pytorch-fsdp1'): +0.030,
+    ('llm-foundry', 'MPT 70b', 256, 2048, 'dp256 zero3 mb8 full', 'pytorch-fsdp1'): +0.004,
+    ('llm-foundry', 'MPT 70b', 128, 1024, 'dp128 zero3 mb8 full', 'pytorch-fsdp1'): -0.017,
+    ('llm-foundry', 'MPT 30b', 512, 4096, 'dp512 zero3 mb8 full', 'pytorch-fsdp1'): +0.045,
+    ('llm-foundry', 'MPT 30b', 256, 2048, 'dp256 zero3 mb8 full', 'pytorch-fsdp1'): +0.032,
+    ('llm-foundry', 'MPT 30b', 128, 1024, 'dp128 zero3 mb8 full', 'pytorch-fsdp1'): +0.009,
+    ('llm-foundry', 'MPT 13b', 512, 8192, 'dp512 zero3 mb16 full', 'pytorch-fsdp1'): -0.004,
+    ('llm-foundry', 'MPT 13b', 256, 4096, 'dp256 zero3 mb16 full', 'pytorch-fsdp1'): -0.009,
+    ('llm-foundry', 'MPT 13b', 128, 2048, 'dp128 zero3 mb16 full', 'pytorch-fsdp1'): -0.025,
+    ('llm-foundry', 'MPT 7b', 512, 3072, 'dp512 zero3 mb6', 'pytorch-fsdp1'): +0.194,
+    ('llm-foundry', 'MPT 7b', 256, 1536, 'dp256 zero3 mb6', 'pytorch-fsdp1'): +0.157,
+    ('llm-foundry', 'MPT 7b', 128, 768, 'dp128 zero3 mb6', 'pytorch-fsdp1'): +0.125,
+    ('llm-foundry', 'MPT 3b', 512, 4096, 'dp512 zero2 mb8', 'pytorch-fsdp1'): +0.154,
+    ('llm-foundry', 'MPT 3b', 256, 2048, 'dp256 zero2 mb8', 'pytorch-fsdp1'): +0.115,
+    ('llm-foundry', 'MPT 3b', 128, 1024, 'dp128 zero2 mb8', 'pytorch-fsdp1'): +0.093,
+    ('llm-foundry', 'MPT 1b', 512, 6144, 'dp512 zero2 mb12', 'pytorch-fsdp1'): +0.208,
+    ('llm-foundry', 'MPT 1b', 256, 3072, 'dp256 zero2 mb12', 'pytorch-fsdp1'): +0.149,
+    ('llm-foundry', 'MPT 1b', 128, 1536, 'dp128 zero2 mb12', 'pytorch-fsdp1'): +0.118,
+    ('bigscience', 'BLOOM 176B', 384, 2048,
+     'pp12 x dp8 x tp4 zero1 1f1b mb2 full', 'megatron-deepspeed'): +0.052,
+    ('bigscience', 'BLOOM 176B', 384, 16,
+     'pp12 x dp8 x tp4 zero1 1f1b mb2 full', 'megatron-deepspeed'): +0.578,
+    ('bigscience', 'BLOOM 181B', 384, 2048,
+     'pp12 x dp4 x tp8 zero1 1f1b mb1 full', 'megatron-deepspeed'): +0.076,
+    ('bigscience', 'BLOOM 181B', 384, 2048,
+     'pp12 x dp4 x tp8 zero1 1f1b mb2 full', 'megatron-deepspeed'): +0.050,
+    ('bigscience', 'BLOOM 181B', 384, 2048,
+     'pp12 x dp4 x tp8 zero1 1f1b mb4 full', 'megatron-deepspeed'): -0.040,
+    ('bigscience', 'BLOOM 181B', 384, 2048,
+     'pp12 x dp4 x tp8 zero1 1f1b mb8 full', 'megatron-deepspeed'): -0.049,
+    ('bigscience', 'BLOOM 181B', 384, 2048,
+     'pp6 x dp8 x tp8 zero1 1f1b mb1 full', 'megatron-deepspeed'): +0.187,
+    ('bigscience', 'BLOOM 181B', 384, 2048,
+     'pp6 x dp8 x tp8 zero1 1f1b mb2 full', 'megatron-deepspeed'): +0.167,
+    ('bigscience', 'BLOOM 181B', 384, 2048,
+     'pp6 x dp8 x tp8 zero1 1f1b mb4 full', 'megatron-deepspeed'): +0.076,
+    ('bigscience', 'BLOOM 177B', 384, 2048,
+     'pp6 x dp8 x tp8 zero1 1f1b mb2 full', 'megatron-deepspeed'): +0.214,
+    ('bigscience', 'BLOOM 177B', 384, 2048,
+     'pp6 x dp8 x tp8 zero1 1f1b mb4 full', 'megatron-deepspeed'): +0.094,
+    ('mt-nlg', 'MT-NLG 530B', 2240, 1920,
+     'pp35 x dp8 x tp8 zero1 1f1b mb1 full', 'megatron-deepspeed'): +0.162,
+    ('mt-nlg', 'MT-NLG 530B', 2800, 1920,
+     'pp35 x dp10 x tp8 zero1 1f1b mb1 full', 'megatron-deepspeed'): +0.173,
+    ('mt-nlg', 'MT-NLG 530B', 3360, 1920,
+     'pp35 x dp12 x tp8 zero1 1f1b mb1 full', 'megatron-deepspeed'): +0.219,
+    ('opt', 'OPT-175B', 992, 992, 'dp124 x tp8 zero2 mb8 full saved/tp', 'metaseq'): +0.175,
 }
 
 
 def test_each_row_stays_in_its_band(results):
-    got = {(r["key"], r["model"], r["gpus"], r["layout"], r["stack"]): r["throughput_error"]
+    got = {(r["key"], r["model"], r["gpus"], r["batch"], r["layout"], r["stack"]): r["throughput_error"]
            for r in results}
     assert set(got) == set(BANDS)
     moved = {k: (round(got[k], 3), v) for k, v in BANDS.items() if abs(got[k] - v) > 0.02}

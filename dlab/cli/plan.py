@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -53,6 +54,10 @@ def add_arguments(p) -> None:
     p.add_argument("--published", action="store_true",
                    help="instead: every published configuration (dlab.plan.published) beside its "
                         "prediction, scored leave-one-source-out")
+    p.add_argument("--record-blind", metavar="KEYS",
+                   help="with --published: write these sources' scores (comma-separated keys) as "
+                        "their blind scores at the checkout's commit (once per source; the "
+                        "checkout must be committed)")
     p.add_argument("--out", default="cluster-profile.json",
                    help="calibrate: where to write the cluster profile")
     p.add_argument("--quick", action="store_true", help="calibrate: fewer shapes and repeats")
@@ -140,6 +145,11 @@ def run(args) -> int:
     if args.published:
         results = published.check()
         print(published.table(results))
+        if args.record_blind:
+            _record_blind(results, args.record_blind)
+        print("\nblind (each source's first score, before anything was changed with it in view) "
+              "and now:")
+        print(published.blind_table(results))
         rows = results
     else:
         try:
@@ -150,6 +160,24 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _record_blind(results, keys: str) -> None:
+    """Record ``keys``' scores as blind at HEAD, refusing a checkout whose planner differs from
+    HEAD (the commit must be what was scored)."""
+    root = Path(published.__file__).resolve().parents[3]
+    changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "dlab"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    if changed:
+        raise ConfigError(f"--record-blind: dlab/ has uncommitted changes ({changed.splitlines()[0]} "
+                          f"...); commit them first so that the recorded commit is what was scored")
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    try:
+        published.record_blind(results, [k.strip() for k in keys.split(",") if k.strip()], commit)
+    except ValueError as e:
+        raise ConfigError(f"--record-blind: {e}") from None
+    print(f"recorded {keys} as blind at {commit[:12]} in {published.BLIND}")
 
 
 def _calibrate(args) -> int:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlab.models import flops
 from dlab.models import recompute as rc
 
 
@@ -92,17 +93,19 @@ class GPTConfig:
     def attention_flops_per_token(self) -> float:
         """Forward FLOPs per token of one layer's attention core: q k^T and the weighted sum of
         v, 2 T d each, over all T keys (PaLM counts them so, causal mask or not)."""
-        return 4 * self.d_model * self.seq_len
+        return flops.attention_forward(self.d_model, self.seq_len)
+
+    def multiplied_params(self) -> int:
+        """Parameters a token is multiplied by: embedding lookups do no multiplies, so the
+        position table is out; a block counts ``active_block_params``."""
+        idle = self.n_layer * (self.block_params() - self.active_block_params())
+        return self.n_params() - idle - self.seq_len * self.d_model
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 N for the weights (2 forward + 4 backward per multiply-add)
-        plus 12 L d T for attention scores and values (PaLM, Chowdhery et al. 2022, app. B).
-        Embedding lookups do no multiplies, so N excludes the position table; N counts the
-        parameters a token is multiplied by (``active_block_params``). This is the MFU numerator:
-        what the model needs, whatever the implementation recomputes."""
-        idle = self.n_layer * (self.block_params() - self.active_block_params())
-        n = self.n_params() - idle - self.seq_len * self.d_model
-        return 6 * n + 3 * self.n_layer * self.attention_flops_per_token()
+        """Training FLOPs per token, 6 N + 12 L d T (``dlab.models.flops``, PaLM's convention,
+        the count the planner makes too). This is the MFU numerator: what the model needs,
+        whatever the implementation recomputes."""
+        return flops.per_token(self.multiplied_params(), self.n_layer, self.d_model, self.seq_len)
 
     def recompute_flops_per_token(self, recompute: str | None = None, every: int | None = None) -> float:
         """FLOPs per token of the forwards that recomputation runs again in backward, counted
@@ -113,10 +116,8 @@ class GPTConfig:
         at their sizes). Defaults: this config's own settings."""
         recompute = self.recompute if recompute is None else recompute
         every = self.recompute_every if every is None else every
-        if recompute == "selective":
-            return self.n_layer * self.attention_flops_per_token()
-        blocks = len(rc.recomputed_blocks(self.n_layer, recompute, every))
-        return blocks * (2 * self.active_block_params() + self.attention_flops_per_token())
+        return flops.recomputed_per_token(recompute, every, self.n_layer, self.active_block_params(),
+                                          self.d_model, self.seq_len)
 
     def hardware_flops_per_token(self, recompute: str | None = None, every: int | None = None) -> float:
         """What the hardware computes per token: the model's FLOPs plus the recomputed forwards,

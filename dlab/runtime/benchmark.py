@@ -9,8 +9,9 @@ the core, a page fault) does not move, where the mean would move.
 Utilization (Chowdhery et al. 2022, PaLM, app. B; Korthikanti et al. 2022, sec. 6): MFU divides
 the FLOPs the model needs per token (``GPTConfig.flops_per_token``, 6 N + 12 L d T) times the
 tokens per second by the device's peak; HFU counts the FLOPs the hardware ran, recomputed
-forwards included (``GPTConfig.hardware_flops_per_token``). Both are what
-``dlab.worker.train`` reports per step, for ``world_size`` devices.
+forwards included (``GPTConfig.hardware_flops_per_token``). ``utilization`` is
+``dlab.models.flops.utilization``, the one function ``dlab.worker.train`` records per step with
+and the planner predicts with, for ``world_size`` devices.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from collections.abc import Callable
 import torch
 
 from dlab.core.metrics import Stopwatch
+from dlab.models.flops import utilization
+
+__all__ = ["benchmark", "utilization"]
 
 
 def benchmark(fn: Callable[[], object], warmup: int = 2, repeats: int = 5,
@@ -39,12 +43,3 @@ def benchmark(fn: Callable[[], object], warmup: int = 2, repeats: int = 5,
         times.append(clock.now() - start)
     return {"median": statistics.median(times), "min": min(times), "max": max(times),
             "times": times}
-
-
-def utilization(flops_per_token: float, tokens: int, seconds: float, peak_flops: float,
-                world_size: int = 1) -> float:
-    """The share of ``world_size`` devices' peak that ``tokens`` in ``seconds`` used, at
-    ``flops_per_token`` (the model's for MFU, the hardware's for HFU)."""
-    if seconds <= 0 or peak_flops <= 0:
-        raise ValueError(f"seconds and peak_flops must be positive (got {seconds}, {peak_flops})")
-    return flops_per_token * tokens / seconds / (peak_flops * world_size)

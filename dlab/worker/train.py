@@ -38,6 +38,7 @@ from dlab.core.events import BUSY_KINDS, busy_seconds, comm_times, spans
 from dlab.core.machine import device_peak_flops
 from dlab.core.rundir import RankWriter
 from dlab.models.data import make_data
+from dlab.models.flops import utilization
 from dlab.parallel.base import Context, Strategy
 from dlab.runtime import faults
 from dlab.runtime.checkpoint import Checkpointer
@@ -188,8 +189,8 @@ def train(ctx: Context, strategy: Strategy, writer: RankWriter, state: dict,
             "loss": loss, "step_time": seconds,
             "busy_s": busy, "idle_s": max(0.0, seconds - busy), "cpu_s": cpu,
             "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "mfu": flops_per_token * tokens / seconds / (peak * ctx.world_size),
-            "hfu": hardware_flops_per_token * tokens / seconds / (peak * ctx.world_size),
+            "mfu": utilization(flops_per_token, tokens, seconds, peak, ctx.world_size),
+            "hfu": utilization(hardware_flops_per_token, tokens, seconds, peak, ctx.world_size),
             "memory": strategy.memory(),
             "comm": comm, "comm_by_op": comm_by_op,
             **strategy.step_extras(),

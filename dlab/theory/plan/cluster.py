@@ -37,7 +37,8 @@ the training runs the planner is checked against, ``dlab.theory.plan.published``
 - ``spread``: how far each constant may be off, as (low, high) multipliers, from which a
   prediction's range comes (``dlab.theory.plan.ranges``): a best-shape matmul figure is an
   upper end (0.92-1.03), the attention papers' figures vary with shape (0.85-1.15), memory
-  bandwidth 0.88-1.08, NVLink from a ring's to NVLink SHARP's, a NIC from 75 % to full rate.
+  bandwidth 0.88-1.08, NVLink from a ring's to NVLink SHARP's, a NIC from 75 % to full rate,
+  a step's latency and a kernel's (or a host tensor operation's) launch from half to twice.
 
 A calibrated profile (``python -m dlab plan calibrate``, ``dump`` and ``load``) replaces these
 with what a machine measured of itself; ``dlab.theory.plan.profile`` checks each of its fields
@@ -134,7 +135,7 @@ class Cluster:
 
 
 GPU_SPREAD = (("matmul", 0.92, 1.03), ("attention", 0.85, 1.15), ("hbm", 0.88, 1.08),
-              ("inter", 0.75, 1.05), ("latency", 0.5, 2.0))
+              ("inter", 0.75, 1.05), ("latency", 0.5, 2.0), ("launch", 0.5, 2.0))
 A100_KERNELS = Kernels(matmul=271.2 / 312, sms=108, tile=(256, 128, 32), best=(1024, 10240, 5120),
                        attention=(("fa2", 0.70, 0.60), ("fa3", 0.70, 0.60)))
 H100_KERNELS = Kernels(matmul=794.5 / 989, sms=132, tile=(128, 256, 64), best=(2048, 2048, 13312),
@@ -155,6 +156,12 @@ def gpu(name: str, model: str, memory_gb: float, hbm: float, intra: float, inter
 PRESETS = {
     "a100-80gb": gpu("A100 80GB SXM (DGX A100, 8 x 200 Gb/s HDR)", "A100", 80, 2.039e12, 232, 24,
                      A100_KERNELS, (("intra", 0.9, 1.05),)),
+    # Jean Zay's A100 partition, where BigScience trained BLOOM (its tr11-176B-ml README:
+    # "8 GPUs per node using NVLink 4 inter-gpu connects, 4 OmniPath links"): four 100 Gb/s
+    # links a node, so each GPU's share of the NICs is an eighth of 50 GB/s, at the share of
+    # line rate the HDR figure keeps (24 of 25 GB/s)
+    "a100-80gb-opa": gpu("A100 80GB SXM (Jean Zay: 8 per node, 4 x 100 Gb/s Omni-Path a node)", "A100",
+                         80, 2.039e12, 232, 6, A100_KERNELS, (("intra", 0.9, 1.05),)),
     "h100-sxm": gpu("H100 SXM (DGX H100, 8 x 400 Gb/s NDR)", "H100", 80, 3.35e12, 370, 48,
                     H100_KERNELS, (("intra", 0.9, 1.3),)),
     "h200": gpu("H200 SXM (HGX H200, 8 x 400 Gb/s NDR)", "H200", 141, 4.8e12, 370, 48,

@@ -26,8 +26,8 @@ pipeline's bubble is filled by the other stages' ranks, so it costs nothing ther
 rank's own chain (its work and the schedule's bubble on it) is longer still: a rank runs on
 one core at most.
 
-Optimizer: Adam reads and writes its shard's state (28 bytes per parameter: gradient, master
-weight, two moments, the 16-bit copy) at the memory bandwidth.
+Optimizer: ``dlab.theory.plan.time.optimizer_time``, the GPU's, at this machine's measured
+bandwidth.
 """
 from __future__ import annotations
 
@@ -192,10 +192,3 @@ def _data_exposed(spec, cluster, lay, pp_rank, m, n) -> tuple[float, float]:
             exposed += ring_gather_time(g * psi, k, link) + ring_gather_time(w * psi, k, link) * gathers
             sent += ring * psi * (g * reduces + w * gathers)
     return exposed, sent
-
-
-def optimizer_time(spec, cluster, lay, pp_rank: int) -> float:
-    dense, experts = rank_params(spec, lay, pp_rank)
-    n = lay.dp * lay.cp
-    shard = dense / (n if lay.zero else 1) + experts / (max(n // lay.ep, 1) if lay.zero else 1)
-    return 28 * shard / cluster.hbm

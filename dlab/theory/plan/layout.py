@@ -46,6 +46,9 @@ class PlanLayout(Layout):
     #: hybrid sharding (FSDP's HYBRID_SHARD, HSDP): ZeRO shards over groups of this many data
     #: ranks and the groups' shards are all-reduced; 0: over all dp x cp data ranks
     zero_group: int = 0
+    #: under full recomputation, each layer's saved input is cut over the tp ranks (Megatron's
+    #: --distribute-saved-activations, metaseq's --distribute-checkpointed-activations)
+    distribute_saved: bool = False
 
     def for_batch(self, global_batch: int) -> PlanLayout:
         """This layout with the micro-batches a global batch of ``global_batch`` sequences makes."""
@@ -68,6 +71,7 @@ class PlanLayout(Layout):
             extra.append(self.schedule + (f" v{v}" if v > 1 else ""))
         every = f"/{self.recompute_every}" if self.recompute_every > 1 else ""
         extra += [f"mb{self.micro_batch}"] + ([self.recompute + every] if self.recompute != "none" else [])
+        extra += ["saved/tp"] if self.distribute_saved else []
         return " ".join([" x ".join(parts) or "single", *extra])
 
     def asdict(self) -> dict:
@@ -110,6 +114,10 @@ class PlanLayout(Layout):
             out.append(f"recompute_every={self.recompute_every} recomputes some layers whole: it "
                        f"needs recompute='full' and a model other than the lab's GPT (whose nd "
                        f"recomputes every layer or none); use recompute_every=1")
+        if self.distribute_saved and (self.recompute != "full" or spec.gpt is not None):
+            out.append("distribute_saved cuts each recomputed layer's saved input over the tp ranks: "
+                       "it needs recompute='full' and a model other than the lab's GPT; use "
+                       "distribute_saved=False")
         n = self.dp * self.cp
         if not _whole(self.zero_group) or self.zero_group < 0 or (self.zero_group and n % self.zero_group):
             out.append(f"zero_group={self.zero_group!r} must be 0 (shard over all {n} data ranks) "

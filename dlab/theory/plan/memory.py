@@ -32,19 +32,24 @@ under sequence parallelism and 1 without:
                            their product, 3 x 2 s b f / t
     dropout masks          2 x s b h / r      (after attention and after the MLP)
 
+Under torchtitan's selective op policy a layer keeps instead its input, the Q and V
+projections, the attention output, the MLP's first matmul and its output (``op_policy_kept``).
 With a = g, f = 4h, GeLU, dropout and the math core this is Korthikanti et al. 2022 (eq. 1-2):
 s b h (34 + 5 a s / h) without parallelism, s b h (10 + 24 / t + 5 a s / (h t)) with tensor
 parallelism, s b h / t (34 + 5 a s / h) with sequence parallelism too. Selective recomputation
 drops the core's s^2 terms (34 s b h / t), full recomputation keeps only the layer's input,
-2 s b h / r. A pipeline's rank holds ``estimate.pipeline.in_flight`` micro-batches of its
+2 s b h / r (2 s b h / t when the layout distributes it over the tp ranks,
+``PlanLayout.distribute_saved``). A pipeline's rank holds ``estimate.pipeline.in_flight`` micro-batches of its
 layers at once (1F1B's first stage: p of L / p layers, so L layers' worth: their eq. 5), plus
 on the first stage the embedding's dropout mask (s b h / r a micro-batch) and on the last the
 final norm's and head's inputs (2 x 2 s b h / r) and fp32 logits (4 s b V / t) of one micro-batch.
 During a fully recomputed layer's backward, its activations exist again on top.
 
-Buffers: ZeRO-3 gathers two layers' weights at once (the one running and the one prefetched),
-a pipeline rank keeps one send and one receive buffer, and sequence parallelism's all-gather
-materialises a layer input of s b h (16-bit) for the QKV and MLP matmuls.
+Buffers: ZeRO-3 gathers two layers' weights at once (the one running and the one prefetched;
+under DeepSpeed's prefetch bucket the largest submodule and the bucket ahead, plus its gradient
+staging buckets: ``gathered``, ``stacks.Sharding``), a pipeline rank keeps one send and one
+receive buffer, and sequence parallelism's all-gather materialises a layer input of s b h
+(16-bit) for the QKV and MLP matmuls.
 
 The lab's own GPT (``Transformer.gpt``) is counted by ``dlab.theory.nd`` instead, exactly
 (biases, norms, padding and Adam's step counters included), in the fp32 it trains in; the
@@ -92,6 +97,18 @@ def rank_params(spec, lay, pp_rank: int) -> tuple[float, float]:
     return dense, experts
 
 
+def optimizer_shard(spec, lay, pp_rank: int) -> float:
+    """Parameters whose optimizer state a rank updates: its dense parameters over the ZeRO
+    group (the dp x cp data ranks, ``zero_group`` under hybrid sharding; all of them without
+    ZeRO) and its experts over their owners among that group."""
+    dense, experts = rank_params(spec, lay, pp_rank)
+    if not lay.zero:
+        return dense + experts
+    n = lay.dp * lay.cp
+    shard = lay.zero_group or n
+    return dense / shard + experts / max(min(shard, n // lay.ep), 1)
+
+
 def model_state(spec, lay, pp_rank: int) -> dict[str, float]:
     """Model-state bytes of a rank: ZeRO over the dp x cp data ranks, or over groups of
     ``zero_group`` of them under hybrid sharding."""
@@ -129,13 +146,36 @@ def layer_activation_terms(spec, lay, micro_batch: int, seq_len: int) -> dict[st
     return terms
 
 
-def layer_bytes(spec, lay, micro_batch: int, seq_len: int) -> tuple[float, float]:
+def op_policy_kept(spec, lay, micro_batch: int, seq_len: int) -> float:
+    """Bytes a layer keeps under torchtitan's selective op policy (its activation_checkpoint.py:
+    the outputs of every matmul but each second one, of the fused attention, and the block's
+    input; every other op recomputed): the input, Q's and V's projections (the first and
+    third of Q, K, V), the attention output and its log-sum-exp, the MLP's first matmul
+    (w1; w3, the second, is recomputed) and its output (w2)."""
+    b, s, h, f = micro_batch, seq_len // lay.cp, spec.d_model, spec.d_ff
+    t = lay.tp
+    r = t if lay.sequence_parallel else 1
+    e = 4 if lay.precision == "fp32" else 2
+    kv = spec.kv_width / min(t, spec.n_kv_head)
+    experts = spec.top_k if spec.n_expert > 1 else 1
+    saved = 2 * h / r + h / t + kv + h / t + experts * f / t
+    return e * s * b * saved + 4 * spec.n_head * s * b / t
+
+
+def layer_bytes(spec, lay, micro_batch: int, seq_len: int, stack=None) -> tuple[float, float]:
     """(what a layer keeps for backward under the layout's recomputation, what its backward
-    holds again on top)."""
+    holds again on top); under selective recomputation ``stack``'s policy decides
+    (``Stack.selective``: Megatron's drops the attention core, torchtitan's op policy keeps
+    ``op_policy_kept``)."""
     terms = layer_activation_terms(spec, lay, micro_batch, seq_len)
     whole = sum(terms.values())
+    if lay.recompute == "selective" and stack is not None and stack.selective == "half-mm":
+        kept = op_policy_kept(spec, lay, micro_batch, seq_len)
+        return kept, whole - kept
     if lay.recompute == "full":
         kept = terms["norm inputs"] / 2
+        if lay.distribute_saved and not lay.sequence_parallel:  # the input cut over the tp ranks
+            kept /= lay.tp
         return kept, whole - kept
     if lay.recompute == "selective":
         core = ("softmax", "softmax dropout", "log-sum-exp")
@@ -144,7 +184,7 @@ def layer_bytes(spec, lay, micro_batch: int, seq_len: int) -> tuple[float, float
     return whole, 0.0
 
 
-def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> float:
+def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int, stack=None) -> float:
     """Peak activation bytes on a rank at ``pp_rank`` (module docstring)."""
     if spec.gpt is not None and not hasattr(spec.gpt, "n_expert"):  # a MoE's needs its routing
         cfg = dataclasses.replace(spec.gpt, seq_len=seq_len, recompute=lay.recompute)
@@ -153,10 +193,10 @@ def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> flo
     s, h, t = seq_len // lay.cp, spec.d_model, lay.tp
     r = t if lay.sequence_parallel else 1
     e = 4 if lay.precision == "fp32" else 2
-    kept, transient = layer_bytes(spec, lay, b, seq_len)
+    kept, transient = layer_bytes(spec, lay, b, seq_len, stack)
     if lay.recompute_every > 1:  # one layer in k recomputed whole, the others keep everything
-        whole = kept + transient
-        kept = (kept + (lay.recompute_every - 1) * whole) / lay.recompute_every
+        share = spec.recomputed_share(lay.recompute, lay.recompute_every)
+        kept = share * kept + (1 - share) * (kept + transient)
     held = in_flight(lay.schedule, lay.pp, m, pp_rank, lay.virtual_stages) if lay.pp > 1 else 1
     per_micro = layers_on(spec, lay, pp_rank) * kept
     if pp_rank == 0 and spec.dropout:
@@ -167,13 +207,32 @@ def activations(spec, lay, global_batch: int, seq_len: int, pp_rank: int) -> flo
     return out + transient
 
 
-def buffers(spec, lay, seq_len: int) -> float:
-    """Communication buffers (module docstring), 16-bit."""
+def gathered(spec, lay, sharding) -> float:
+    """Parameters a ZeRO-3 rank holds gathered at once: two layers' (the running one and the
+    one prefetched: FSDP's), or under a stack that gathers submodules with a prefetch bucket
+    (DeepSpeed's stage3_prefetch_bucket_size) the largest submodule and the bucket ahead of it,
+    never more than two layers'."""
+    layer = spec.layer_params() / lay.tp
+    if not sharding.prefetch:
+        return 2 * layer
+    modules: dict[str, float] = {}
+    for name, n in spec.layer_tensors(lay.tp):
+        modules[name] = modules.get(name, 0.0) + n
+    return min(2 * layer, max(modules.values()) + sharding.prefetch)
+
+
+def buffers(spec, lay, seq_len: int, stack=None) -> float:
+    """Communication buffers (module docstring), 16-bit; ZeRO-3's gathered weights and its
+    gradient staging as ``stack`` holds them (``stacks.Sharding``)."""
     b, s, h, t = lay.micro_batch, seq_len // lay.cp, spec.d_model, lay.tp
     e = 4 if lay.precision == "fp32" else 2
     out = 0.0
     if lay.zero == 3 and lay.dp * lay.cp > 1:
-        out += 2 * e * spec.layer_params() / t
+        sharding = stack.sharding if stack is not None else None
+        if sharding is None:
+            out += 2 * e * spec.layer_params() / t
+        else:
+            out += e * gathered(spec, lay, sharding) + BYTES[lay.precision][1] * sharding.staging
     if lay.pp > 1:
         out += 2 * e * s * b * h / (t if lay.sequence_parallel else 1)
     if lay.sequence_parallel and t > 1:
@@ -181,9 +240,10 @@ def buffers(spec, lay, seq_len: int) -> float:
     return out
 
 
-def memory(spec, lay, global_batch: int, seq_len: int) -> dict[str, float]:
+def memory(spec, lay, global_batch: int, seq_len: int, stack=None) -> dict[str, float]:
     """Bytes per GPU by category on the fullest pipeline rank (the first or the last: the
-    first holds the most micro-batches, the last the head and the logits)."""
+    first holds the most micro-batches, the last the head and the logits); ``stack``: the
+    software stack, whose sharding decides ZeRO-3's buffers (``buffers``)."""
     best = None
     for pp_rank in sorted({0, lay.pp - 1}):
         if spec.gpt is not None:
@@ -191,8 +251,8 @@ def memory(spec, lay, global_batch: int, seq_len: int) -> dict[str, float]:
             state = nd_estimate.model_state(cfg, lay.for_batch(global_batch), pp_rank, "adam")
         else:
             state = model_state(spec, lay, pp_rank)
-        out = {**state, "activations": activations(spec, lay, global_batch, seq_len, pp_rank),
-               "buffers": 0.0 if spec.gpt is not None else buffers(spec, lay, seq_len)}
+        out = {**state, "activations": activations(spec, lay, global_batch, seq_len, pp_rank, stack),
+               "buffers": 0.0 if spec.gpt is not None else buffers(spec, lay, seq_len, stack)}
         out["total"] = math.fsum(out.values())
         out["pp_rank"] = pp_rank
         if best is None or out["total"] > best["total"]:

@@ -9,15 +9,17 @@ per rank the slowest rank's compute and calls, with more ranks than cores every 
 seconds shared out over the cores, plus the cores' time no rank could use ("idle_cores"),
 unless one rank's own chain is longer ("bubble"). Memory is the fullest rank's
 (``dlab.theory.plan.memory``). MFU counts the model's FLOPs (``Transformer.flops_per_token``),
-HFU adds what recomputation repeats, both over N ranks' peak (as ``dlab.worker.train`` records
-them). ``dlab.theory.plan.ranges.step_range`` gives a prediction's low and high step time from
-the spread of the constants it used.
+HFU adds what recomputation repeats (every ``recompute_every``-th layer's forward under full
+recomputation), both over N ranks' peak by ``dlab.models.flops.utilization``, the function
+``dlab.worker.train`` records them with. ``dlab.theory.plan.ranges.step_range`` gives a
+prediction's low and high step time from the spread of the constants it used.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from dlab.models.flops import utilization
 from dlab.theory import nd as nd_estimate
 from dlab.theory.plan import cpu
 from dlab.theory.plan import stacks as stack_presets
@@ -30,7 +32,7 @@ from dlab.theory.plan.time import Knobs, bubble_fraction
 #: kernels evict the caches): the constants the published rows choose
 #: (``dlab.theory.plan.published.fit``, which finds these values over every source; each
 #: source's own error is scored with them refitted without that source)
-SUSTAINED = {"A100": 0.868, "H100": 0.729}
+SUSTAINED = {"A100": 0.826, "H100": 0.729}
 #: how far a source's own fit has lain from these, either way (``published.spread``): the
 #: shares' spread (``ranges.KNOBS``)
 SUSTAINED_SPREAD = (0.81, 1.19)
@@ -106,7 +108,7 @@ def _cpu_stage(spec, cluster, lay, global_batch: int, seq_len: int, pp_rank: int
     comm, sent = cpu.comm_times(spec, cluster, lay, global_batch, seq_len, pp_rank, comp)
     parts = {"compute": m * (comp["forward"] + comp["backward"]), "recompute": m * comp["recompute"],
              **{f"{k}_comm": v for k, v in comm.items()},
-             "optimizer": cpu.optimizer_time(spec, cluster, lay, pp_rank)}
+             "optimizer": tm.optimizer_time(spec, cluster, lay, pp_rank)}
     return {"parts": parts, "sent": sent, "pp_rank": pp_rank, "own": sum(parts.values()),
             "work": parts["compute"] + parts["recompute"]}
 
@@ -147,17 +149,19 @@ def plan(spec, cluster, lay, global_batch: int, seq_len: int, stack=None,
         sent = max((nd_estimate.step_bytes(cfg, lay.for_batch(global_batch), global_batch, r)
                     for r in range(lay.pp)), key=lambda d: d["total"])
         sent.pop("total")
-    mem = memory(spec, lay, global_batch, seq_len)
+    mem = memory(spec, lay, global_batch, seq_len, stack)
     tokens = global_batch * seq_len
-    model_flops = spec.flops_per_token(seq_len) * tokens
-    hw_flops = model_flops + spec.recompute_flops_per_token(seq_len, lay.recompute) * tokens
-    peak = cluster.peak * lay.world  # per rank, as the runs record MFU (dlab.worker.train)
+    model_flops = spec.flops_per_token(seq_len)
+    hw_flops = model_flops + spec.recompute_flops_per_token(seq_len, lay.recompute, lay.recompute_every)
     capacity = cluster.memory - cluster.reserved
     notes = assumed(lay, stack, cluster)
     if cluster.oversubscribed(lay.world):
         notes.append(f"{lay.world} ranks share {cluster.cores} cores: the step is their CPU seconds "
                      f"over the cores at {cluster.utilization:.0%} filled")
-    return Prediction(lay, mem, parts, tokens / parts["total"], model_flops / parts["total"] / peak,
-                      hw_flops / parts["total"] / peak, mem["total"] <= capacity, capacity,
+    # per rank, as the runs record them (dlab.worker.train): one utilization function for both
+    mfu, hfu = (utilization(f, tokens, parts["total"], cluster.peak, lay.world)
+                for f in (model_flops, hw_flops))
+    return Prediction(lay, mem, parts, tokens / parts["total"], mfu, hfu, mem["total"] <= capacity,
+                      capacity,
                       {**sent, "total": sum(sent.values())}, notes, stack,
                       (spec, cluster, global_batch, seq_len, knobs))

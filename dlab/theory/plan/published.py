@@ -17,6 +17,14 @@ counted, the input embedding not), which is also Megatron-Core's own count (its
 ``num_floating_point_operations``); ``6N``, 6 per parameter of the whole model (input embedding
 included) plus 12 L h s, torchtitan's count in 2024.
 
+Blind first. A source is scored the moment it is added, with the planner as it stands, before
+any constant or modelling choice is made with it in view, and that score is recorded once with
+the commit it was scored at (``blind.json`` beside ``rows.py``; ``record_blind`` refuses to
+write a source twice). ``blind_table`` prints each source's blind score beside its current
+one: the blind one is the honest figure for a source the planner was then changed with. The
+six sources the planner was built on have no blind score; their first recorded one is marked
+so.
+
 Honesty. Every constant of the clusters and stacks is a hardware or documentation figure, set
 apart from these rows (``dlab.theory.plan.cluster``). One planner-wide constant is chosen by
 looking at rows: ``SUSTAINED``, the share of a kernel's benchmarked rate it keeps inside a
@@ -30,17 +38,23 @@ leaves open (``Published.alternatives``).
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 from dlab.theory.plan.predict import SUSTAINED
 from dlab.theory.plan.ranges import KNOBS, step_range
 from dlab.theory.plan.rows import ROWS, Published, Source
 from dlab.theory.plan.time import Knobs
 
-__all__ = ["ROWS", "Published", "Source", "by_source", "check", "fit", "leave_one_source_out",
-           "mean_abs_error", "signed_mean_error", "source_fits", "spread", "table", "with_stack"]
+__all__ = ["ROWS", "Published", "Source", "blind_scores", "blind_table", "by_source", "check", "fit",
+           "leave_one_source_out", "mean_abs_error", "record_blind", "signed_mean_error",
+           "source_fits", "spread", "table", "with_stack"]
+
+BLIND = Path(__file__).with_name("blind.json")
+BLIND_FORMAT = "dlab-plan-blind/1"
 
 
 def _rows():
@@ -138,7 +152,8 @@ def check(rows=None, loso: dict | None = None, ranges: bool = True) -> list[dict
         p = row.plan(knobs)
         pred = row.predicted(p.step_s)
         entry = {"source": row.source.short, "key": row.source.key, "model": row.model.name,
-                 "gpus": row.gpus, "layout": row.layout.describe(), "stack": row.stack,
+                 "gpus": row.gpus, "batch": row.global_batch, "layout": row.layout.describe(),
+                 "stack": row.stack,
                  "metric": row.metric, "published": row.value, "predicted": pred,
                  "error": pred / row.value - 1, "throughput_error": row.throughput_error(p.step_s),
                  "sustained": sustained, "generation": row.generation, "fits": p.fits,
@@ -210,3 +225,60 @@ def table(results: list[dict], sources: list | None = None) -> str:
 def with_stack(rows, stack: str) -> list:
     """The rows as if run under ``stack`` (notebook 11's exercise on a stack's assumptions)."""
     return [replace(r, stack=stack) for r in rows]
+
+
+def blind_scores(path: Path = BLIND) -> dict[str, dict]:
+    """Each source's first score (module docstring): {key: {"commit", "rows", "mean_abs",
+    "signed", "inside", "blind", "note"}}."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("format") != BLIND_FORMAT:
+        raise ValueError(f"{path} is not a blind-score record ({BLIND_FORMAT})")
+    return doc["sources"]
+
+
+def record_blind(results: list[dict], keys, commit: str, blind: bool = True, note: str = "",
+                 path: Path = BLIND) -> dict[str, dict]:
+    """Write the sources ``keys``' scores in ``results`` (``check``'s, made at ``commit``) as
+    their first scores; a source already recorded is refused (a blind score is written once)."""
+    doc = json.loads(Path(path).read_text()) if Path(path).exists() else {
+        "format": BLIND_FORMAT, "sources": {}}
+    scores = by_source(results)
+    keys = list(keys)
+    again = [k for k in keys if k in doc["sources"]]
+    missing = [k for k in keys if k not in scores]
+    if again or missing:
+        raise ValueError(f"cannot record {', '.join(again + missing)}: "
+                         + ("already recorded (a blind score is written once)" if again else
+                            "no such source among the rows"))
+    for key in keys:
+        s = scores[key]
+        doc["sources"][key] = {"commit": commit, "rows": s["rows"], "mean_abs": round(s["mean_abs"], 4),
+                               "signed": round(s["signed"], 4), "inside": round(s["inside"], 4),
+                               "blind": blind, "note": note}
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    return doc["sources"]
+
+
+def blind_table(results: list[dict], blind: dict | None = None) -> str:
+    """Per source, its first (blind) score with its commit beside its current score; then the
+    rows of sources scored blind, over both."""
+    blind = blind_scores() if blind is None else blind
+    now = by_source(results)
+    lines = [f"{'source':34s} {'rows':>4s}  {'blind: MAE  signed inside  commit':34s}  "
+             f"{'now: MAE  signed inside':24s}"]
+    for key, s in now.items():
+        b = blind.get(key)
+        first = (f"{b['mean_abs']:9.1%} {b['signed']:+7.1%} {b['inside']:6.0%}  {b['commit'][:7]}"
+                 + ("" if b["blind"] else " (built on)") if b else "  (no blind score)")
+        lines.append(f"{s['source'][:34]:34s} {s['rows']:4d}  {first:34s}  {s['mean_abs']:8.1%} "
+                     f"{s['signed']:+7.1%} {s['inside']:6.0%}")
+    scored = [r for r in results if blind.get(r["key"], {}).get("blind")]
+    if scored:
+        weights = {k: b["rows"] for k, b in blind.items() if b["blind"] and k in now}
+        rows = sum(weights.values())
+        first = sum(blind[k]["mean_abs"] * n for k, n in weights.items()) / rows
+        signed = sum(blind[k]["signed"] * n for k, n in weights.items()) / rows
+        lines.append(f"sources scored blind ({len(weights)}, {rows} rows): blind mean absolute error "
+                     f"{first:.1%}, signed {signed:+.1%}; now {mean_abs_error(scored):.1%}, signed "
+                     f"{signed_mean_error(scored):+.1%}")
+    return "\n".join(lines)

@@ -111,6 +111,22 @@ FOUNDRY = Source("llm-foundry", "mosaicml/llm-foundry: scripts/train/benchmarkin
                  "llm-foundry 2024")
 
 
+BIGSCIENCE = Source("bigscience", "bigscience-workshop/bigscience at e726b15 (2022): "
+                    "train/tr11-176B-ml/README.md (BLOOM's training log lines, iterations 3707 and "
+                    "85376) and chronicles-prequel.md ('48 node contenders' and 'Final round "
+                    "comparison' tables, 2022-02-21/23): Megatron-DeepSpeed on Jean Zay's A100s",
+                    "BigScience (BLOOM) 2022")
+MTNLG = Source("mt-nlg", "Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing "
+               "NLG 530B (arXiv 2201.11990), sec. 2.4: batch 1920 on 280, 350 and 420 DGX A100 "
+               "nodes, 60.1, 50.2 and 44.4 s an iteration, 126, 121 and 113 teraFLOP/s per GPU",
+               "MT-NLG 530B (Smith et al. 2022)")
+OPT = Source("opt", "Zhang et al. 2022, OPT: Open Pre-trained Transformer Language Models (arXiv "
+             "2205.01068), sec. 2.4 ('up to 147 TFLOP/s per GPU' on 992 A100 80GB); its settings "
+             "from facebookresearch/metaseq: metaseq/launcher/opt_job_constants.py and "
+             "opt_baselines.py, its FLOPs count from projects/OPT/chronicles/final_update.md "
+             "(4.30E+23 FLOPs for 300B tokens)", "OPT-175B (Zhang et al. 2022)")
+
+
 def _other_v(pp: int, v: int = 2) -> tuple:
     """Where a source does not say how many model chunks its interleaved schedule ran: the
     schedules beside the assumed ``v`` (1F1B, v = 2, 4, 8)."""
@@ -151,7 +167,7 @@ def _korthikanti(name, layers, hidden, heads, pp, gpus, batch, micro, full_s, pr
                          micro_batch=micro, attention="math", precision="bf16")
         extra = {"mfu": mfu} if recompute == "selective" else {}
         out.append(Published(KORTHIKANTI, spec, "a100-80gb", lay, batch, 2048, "iteration_s", value,
-                             "megatron-lm-2021", assumed="the 1F1B schedule (not stated)", extra=extra,
+                             "megatron-lm-2022", assumed="the 1F1B schedule (not stated)", extra=extra,
                              alternatives=(({"schedule": "interleaved", "virtual_stages": 2},)
                                            if pp > 1 else ())))
     return out
@@ -205,6 +221,46 @@ def _mpt(size, layers, hidden, heads, gpus, micro, tps, sharding, ac) -> Publish
                      recompute="full" if ac else "none", precision="bf16")
     return Published(FOUNDRY, spec, "h100-sxm", lay, gpus * micro, 2048, "tokens_per_s_per_gpu", tps,
                      "pytorch-fsdp1", assumed="DGX H100 nodes (the platform's network is not stated)")
+
+
+def _bigscience(name, layers, hidden, heads, dp, tp, pp, micro, batch, seconds, where) -> Published:
+    """A Megatron-DeepSpeed run of BigScience's on Jean Zay (sequence 2048, a 250,880-token
+    vocabulary (BLOOM's, padded), tied embeddings, dropout 0.1 (Megatron's default: its script
+    sets none), full recomputation (--checkpoint-activations), DeepSpeed's 1F1B pipeline, bf16
+    with ZeRO-1 over the data ranks), timed per iteration as its log or table prints it."""
+    spec = Transformer(name, layers, hidden, heads, 4 * hidden, 250880, tied=True, dropout=True)
+    lay = PlanLayout(dp=dp, tp=tp, pp=pp, zero=1, micro_batch=micro, recompute="full",
+                     precision="bf16", attention="math")
+    return Published(BIGSCIENCE, spec, "a100-80gb-opa", lay, batch, 2048, "iteration_s", seconds,
+                     "megatron-deepspeed", assumed=where)
+
+
+def _mtnlg(nodes, tflops) -> Published:
+    """MT-NLG 530B (105 layers, width 20480, 128 heads, sequence 2048, batch 1920) over tp 8 x
+    pp 35 x dp (nodes / 35) on Selene's DGX A100s, Megatron's FLOPs count (the iteration times
+    the paper gives beside these figures are that count over the figure)."""
+    lay = PlanLayout(dp=nodes * 8 // 280, tp=8, pp=35, zero=1, micro_batch=1, recompute="full",
+                     precision="bf16", attention="math")
+    return Published(MTNLG, megatron_gpt("MT-NLG 530B", 105, 20480, 128), "a100-80gb", lay, 1920,
+                     2048, "tflops_per_gpu", tflops, "megatron-deepspeed", "megatron",
+                     "micro-batch 1, DeepSpeed's 1F1B and ZeRO-1 over the data ranks (not stated)",
+                     alternatives=_other_micro(35, 1)[:2])
+
+
+def _opt() -> Published:
+    """OPT-175B as metaseq ran it: tp 8 over 992 GPUs (dp 124), a batch of 2M tokens split as
+    metaseq's launcher does (2,097,152 // 124 // 2048 = 8 sequences a data rank, 992 in all),
+    FSDP without resharding after forward (--no-reshard-after-forward: zero=2), full
+    recomputation with each layer's saved input cut over the tp ranks
+    (--distribute-checkpointed-activations), fp16, tied embeddings, ReLU (two MLP matrices),
+    dropout 0.1, separate Q, K and V projections with biases (fairseq's)."""
+    spec = Transformer("OPT-175B", 96, 12288, 96, 4 * 12288, 50272, tied=True, dropout=True,
+                       split_qkv=True)
+    lay = PlanLayout(dp=124, tp=8, zero=2, micro_batch=8, recompute="full", precision="bf16",
+                     attention="math", distribute_saved=True)
+    return Published(OPT, spec, "a100-80gb", lay, 992, 2048, "tflops_per_gpu", 147, "metaseq",
+                     "megatron",
+                     "'up to' 147: the best step; Azure's A100 nodes as DGX A100s (8 x 200 Gb/s)")
 
 
 ROWS = [
@@ -278,4 +334,20 @@ ROWS = [
     _mpt("1b", 24, 2048, 16, 512, 12, 39837, "SHARD_GRAD_OP", False),
     _mpt("1b", 24, 2048, 16, 256, 12, 42555, "SHARD_GRAD_OP", False),
     _mpt("1b", 24, 2048, 16, 128, 12, 44123, "SHARD_GRAD_OP", False),
+    _bigscience("BLOOM 176B", 70, 14336, 112, 8, 4, 12, 2, 2048, 104.70,
+                "README: iteration 85376 at batch 2048"),
+    _bigscience("BLOOM 176B", 70, 14336, 112, 8, 4, 12, 2, 16, 15.23,
+                "README: iteration 3707 at batch 16 (one micro-batch a pipeline)"),
+    *(_bigscience("BLOOM 181B", 72, 14336, 64, dp, 8, pp, mb, 2048, sec, "chronicles-prequel: "
+                  "'48 node contenders', the second iteration")
+      for dp, pp, mb, sec in ((4, 12, 1, 143.31), (4, 12, 2, 134.02), (4, 12, 4, 123.69),
+                              (4, 12, 8, 129.26), (8, 6, 1, 139.82), (8, 6, 2, 131.02),
+                              (8, 6, 4, 121.48))),
+    *(_bigscience("BLOOM 177B", 96, 12288, 64, 8, 8, 6, mb, 2048, sec, "chronicles-prequel: "
+                  "'Final round comparison', the second iteration")
+      for mb, sec in ((2, 136.73), (4, 122.96))),
+    _mtnlg(280, 126),
+    _mtnlg(350, 121),
+    _mtnlg(420, 113),
+    _opt(),
 ]

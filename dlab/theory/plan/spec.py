@@ -16,7 +16,9 @@ few h per layer, kept for the lab's model through its exact count):
 
 Model FLOPs per token (``flops_per_token``): 6 per parameter a token multiplies by (forward 2,
 backward 4) plus attention's 12 L h s (QK^T and AV over all s keys, PaLM's convention, Chowdhery
-et al. 2022 app. B: the causal mask is not discounted). A MoE counts k experts, not E.
+et al. 2022 app. B: the causal mask is not discounted), counted by ``dlab.models.flops``, the
+function the runtime's MFU uses (the lab's GPT by its own config, so the two agree to the FLOP).
+A MoE counts k experts, not E.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from dlab.models import flops
 
 
 @dataclass(frozen=True)
@@ -46,12 +50,23 @@ class Transformer:
     #: "layernorm" (GPT) or "rmsnorm" (Llama): eager PyTorch runs the one as one kernel, the
     #: other as several (``dlab.theory.plan.ops``)
     norm: str = "layernorm"
+    #: the layers' linear maps and norms carry biases (None: GPT-style LayerNorm models do,
+    #: Megatron's and GPT-2's; RMSNorm models do not, Llama's)
+    bias: bool | None = None
+    #: Q, K and V are three matrices (None: Llama's and the lab's GPT are; Megatron's GPT has
+    #: one fused QKV matrix)
+    split_qkv: bool | None = None
     #: the lab's GPTConfig when this is dlab's own model (exact formulas apply), else None
     gpt: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_kv_head == 0:
             object.__setattr__(self, "n_kv_head", self.n_head)
+        llama = self.norm == "rmsnorm"
+        if self.bias is None:
+            object.__setattr__(self, "bias", not llama)
+        if self.split_qkv is None:
+            object.__setattr__(self, "split_qkv", llama)
 
     @property
     def kv_width(self) -> int:
@@ -74,6 +89,38 @@ class Transformer:
         """Parameters one token multiplies by in a layer (k experts of E)."""
         return self.attention_params() + self.top_k * self.expert_params()
 
+    def layer_tensors(self, tp: int = 1) -> list[tuple[str, float]]:
+        """(module, elements on one of ``tp`` ranks) of every parameter tensor of one layer, in
+        the order forward meets them: what a stack that gathers per tensor or per module
+        (DeepSpeed's ZeRO-3) issues one collective for. The matrices and column-parallel biases
+        are cut by tp; the norms and the row-parallel biases are whole on every rank."""
+        h, kv, f = self.d_model, self.kv_width, self.d_ff
+        bias = self.bias
+
+        def linear(name, fan_in, fan_out, cut_out=True):
+            out = [(name, fan_in * fan_out / tp)]
+            return out + ([(name, fan_out / tp if cut_out else fan_out)] if bias else [])
+
+        def norm(name):
+            return [(name, h)] * (2 if self.norm == "layernorm" else 1)
+
+        out = norm("norm 1")
+        if self.split_qkv:
+            out += linear("q", h, h) + linear("k", h, kv) + linear("v", h, kv)
+        else:
+            out += linear("qkv", h, h + 2 * kv)
+        out += linear("projection", h, h, cut_out=False) + norm("norm 2")
+        experts = self.n_expert if self.n_expert > 1 else 1
+        if experts > 1:
+            out.append(("router", h * experts))
+        for e in range(experts):
+            tag = f"expert {e} " if experts > 1 else ""
+            ins = ("gate", "up") if self.mlp == "swiglu" else ("mlp in",)
+            for name in ins:
+                out += linear(tag + name, h, f)
+            out += linear(tag + "mlp out", f, h, cut_out=False)
+        return out
+
     def embedding_params(self) -> int:
         return self.vocab * self.d_model
 
@@ -83,19 +130,31 @@ class Transformer:
         return self.n_layer * self.layer_params() + self.embedding_params() * (1 if self.tied else 2)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token (above): what MFU counts."""
+        """Model FLOPs per trained token (above), what MFU counts: ``dlab.models.flops.per_token``,
+        the runtime's count; for the lab's GPT its own config's, to the FLOP."""
+        if self.gpt is not None:
+            return dataclasses.replace(self.gpt, seq_len=seq_len).flops_per_token()
         matmul = self.n_layer * self.active_layer_params() + self.embedding_params()  # the head
-        return 6 * matmul + 12 * self.n_layer * self.d_model * seq_len
+        return flops.per_token(matmul, self.n_layer, self.d_model, seq_len)
 
-    def recompute_flops_per_token(self, seq_len: int, recompute: str) -> float:
-        """FLOPs a token's forward repeats in backward: the whole layer's forward under full
-        recomputation (a third of its training FLOPs), only attention's score and value
-        products (4 h s per layer) under selective. HFU counts them; MFU does not."""
+    def recompute_flops_per_token(self, seq_len: int, recompute: str, every: int = 1) -> float:
+        """FLOPs a token's forward repeats in backward (``dlab.models.flops.recomputed_per_token``):
+        the whole layer's forward in every ``every``-th layer under full recomputation, the
+        attention core's score and value products (4 h s a layer) under selective. HFU counts
+        them; MFU does not."""
+        if self.gpt is not None:
+            cfg = dataclasses.replace(self.gpt, seq_len=seq_len)
+            return cfg.recompute_flops_per_token(recompute, every)
+        return flops.recomputed_per_token(recompute, every, self.n_layer, self.active_layer_params(),
+                                          self.d_model, seq_len)
+
+    def recomputed_share(self, recompute: str, every: int = 1) -> float:
+        """The share of the layers whose recomputation runs in backward: under full
+        recomputation the every-``every``-th (``dlab.models.flops.recomputed_layers``, as the
+        FLOPs count them), under selective all of them (their attention core), else none."""
         if recompute == "full":
-            return self.n_layer * (2 * self.active_layer_params() + 4 * self.d_model * seq_len)
-        if recompute == "selective":
-            return self.n_layer * 4 * self.d_model * seq_len
-        return 0.0
+            return flops.recomputed_layers(self.n_layer, recompute, every) / self.n_layer
+        return 1.0 if recompute == "selective" else 0.0
 
     def problems(self) -> list[str]:
         out = []
@@ -117,7 +176,8 @@ def from_gpt(cfg, name: str = "lab GPT") -> Transformer:
     formulas of ``dlab.theory``."""
     return Transformer(name=name, n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=cfg.n_head,
                        d_ff=cfg.d_ff, vocab=cfg.vocab_size, tied=cfg.tied,
-                       n_expert=getattr(cfg, "n_expert", 1), top_k=getattr(cfg, "top_k", 1), gpt=cfg)
+                       n_expert=getattr(cfg, "n_expert", 1), top_k=getattr(cfg, "top_k", 1),
+                       bias=True, split_qkv=True, gpt=cfg)
 
 
 def llama(name: str, n_layer: int, d_model: int, n_head: int, d_ff: int, vocab: int,

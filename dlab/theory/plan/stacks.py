@@ -24,12 +24,74 @@ prediction names its stack. What a stack decides:
   flat buffer and the parameters (FSDP2's per-parameter sharding, DeepSpeed's partitioned
   parameters), a memory-bound pass over each;
 - ``bucket``: gradients reduced per bucket of that many parameters, the last one exposed
-  (infinite: one flat all-reduce, Megatron-LM 2021's; 0: a unit per layer, FSDP's).
+  (infinite: one flat all-reduce, Megatron-LM 2021's; 0: a unit per layer, FSDP's);
+- ``sharding``: how it issues the data ranks' collectives (``Sharding``): what one weight
+  gather and one gradient reduction carry (a parameter tensor, a submodule's tensors, a layer's
+  flat buffer, a bucket), the host's work per collective and per rank in the group, whether
+  the host waits for the device before each gather, and which tensors stay gathered;
+- ``tp_backward``: backward's column-parallel collectives (the input gradient's all-reduce,
+  or under sequence parallelism its reduce-scatter and the input's re-gather) run
+  asynchronously beside the GEMMs that follow them, the rest of tensor parallelism blocking:
+  Megatron-LM from 2022 (``LinearWithGradAccumulationAndAsyncCommunication``: the re-gather
+  beside the input-gradient GEMM, the reduce-scatter or all-reduce beside the weight-gradient
+  GEMM; ``--no-async-tensor-model-parallel-allreduce`` turns it off);
+- ``pp_transfers``: the pipeline transfers a stage waits for per micro-batch and model chunk:
+  2 where each send goes out with the receive it waits on (Megatron-LM's
+  send_forward_recv_backward, one batch_isend_irecv), 4 where every send and receive is its own
+  blocking step (DeepSpeed's pipeline engine: SendActivation, RecvGrad, SendGrad and
+  RecvActivation are separate instructions, "blocking and must be paired", schedule.py);
+- ``sp_regather``: under sequence parallelism, backward all-gathers each layer's two matmul
+  inputs again for their weight gradients (Megatron-LM's ``LinearWithGradAccumulationAnd
+  AsyncCommunication``, and dlab's ``nd``) rather than keeping what forward gathered (PyTorch's
+  ``SequenceParallel`` leaves the gathered input to autograd, which saves it).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a stack issues ZeRO's weight gathers and gradient reductions
+    (``dlab.theory.plan.time``). Each collective pays its ring's latency at the group's size
+    and its bytes at the link's bus bandwidth (``collectives``), plus the host's work to issue
+    it: ``host_ops`` tensor operations (a hook's bookkeeping, a buffer allocated, the shard
+    copied in, the call itself), ``tensor_ops`` more for each parameter tensor it carries
+    (views made, streams recorded), and ``rank_ops`` more for each rank of its group where the
+    collective takes a list of one tensor per rank (``torch.distributed.all_gather`` and
+    ``reduce_scatter`` before ``_all_gather_base``: a Python view made per rank, and
+    ProcessGroupNCCL's copy of each rank's piece in or out of its flat buffer, a kernel each).
+    Each operation costs the host a kernel's launch (``Kernels.launch``)."""
+    #: what one weight gather carries: "tensor" (each parameter tensor alone: DeepSpeed 2021),
+    #: "module" (one submodule's tensors: DeepSpeed's all_gather_coalesced), "block" (a layer's
+    #: flat buffer: FSDP)
+    gather: str = "block"
+    #: what one gradient reduction carries: "tensor", "block", or "bucket" (``Stack.bucket``
+    #: parameters; a bucket larger than a layer spans several)
+    reduce: str = "block"
+    #: tensors smaller than this many elements stay gathered between steps and are not gathered
+    #: again (DeepSpeed's stage3_param_persistence_threshold, 1e5 since 2021)
+    persist: float = 0.0
+    host_ops: float = 4.0
+    tensor_ops: float = 0.0
+    rank_ops: float = 0.0
+    #: the host waits for the device before each weight gather (DeepSpeed 2021's
+    #: ``torch.cuda.synchronize()`` in ``_allgather_param``): its host work shows whole, and a
+    #: gather overlaps no compute
+    blocking: bool = False
+    #: ZeRO-1/2's gradient reduction: "reduce_scatter" (each rank receives its shard) or
+    #: "all_reduce" (DeepSpeed's BF16_Optimizer: the engine all-reduces, each rank then updates
+    #: its shard)
+    zero1_reduce: str = "reduce_scatter"
+    #: a bucket holds at least this many parameters per data rank (Megatron-Core's 1M)
+    bucket_per_rank: float = 0.0
+    #: elements a gradient reduction's staging buffer holds (DeepSpeed's reduce_bucket_size,
+    #: two of them when overlap_comm double-buffers): memory (``memory.buffers``)
+    staging: float = 0.0
+    #: elements gathered ahead of the running module at most (DeepSpeed's
+    #: stage3_prefetch_bucket_size); 0: the next layer's whole buffer (FSDP)
+    prefetch: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -45,15 +107,21 @@ class Stack:
     grads: float = 1.0
     params: float = 1.0
     tp: float = 0.0
+    #: the share of backward's column-parallel collectives that hides behind the GEMMs beside
+    #: them (module docstring), where it exceeds ``tp``
+    tp_backward: float = 0.0
     cp: float = 1.0
     ep: float = 0.0
     pp: float = 0.0
     gather_backward: bool = True
     copies: bool = False
     bucket: float = 25e6
+    sp_regather: bool = True
+    sharding: Sharding = Sharding()
+    pp_transfers: int = 2
 
     def overlaps(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("grads", "params", "tp", "cp", "ep", "pp")}
+        return {k: getattr(self, k) for k in ("grads", "params", "tp", "tp_backward", "cp", "ep", "pp")}
 
     def describe(self) -> str:
         hidden = ", ".join(f"{k} {v:.0%}" for k, v in self.overlaps().items())
@@ -63,55 +131,125 @@ class Stack:
                 f"overlap shares {hidden}")
 
 
+#: Megatron's buckets: a collective per bucket, a view and the call on the host
+MEGATRON_BUCKETS = Sharding(gather="bucket", reduce="bucket", host_ops=2)
+#: FSDP1 (and fairscale's FSDP): a layer's FlatParameter gathered by one all_gather_into_tensor
+#: into a buffer it allocates, a view made of it per parameter; its gradient reduce-scattered
+#: from a padded flat copy, a view per parameter again
+FLAT_PARAMETERS = Sharding(gather="block", reduce="block", host_ops=6, tensor_ops=1)
+#: FSDP2 (per-parameter DTensors): a block's shards copied into one buffer (a foreach copy),
+#: gathered, copied out (split_with_sizes_copy), each parameter's unsharded tensor set up; the
+#: gradients concatenated (chunk_cat) and reduce-scattered, each shard's view made
+PER_PARAMETER = Sharding(gather="block", reduce="block", host_ops=8, tensor_ops=2)
+
 PRESETS = {s.name: s for s in (
     Stack("megatron-lm-2021",
           "Megatron-LM as Narayanan et al. 2021 (sec. 4.2: fused layer norm, bias-GeLU, "
           "bias-dropout-add and scale-mask-softmax kernels) and Korthikanti et al. 2022 ran it: "
           "its default 'local' DDP all-reduces the gradients after the pipeline's last backward, "
           "tensor-parallel collectives and pipeline sends block", fused=True, attention="fa2",
-          grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0, bucket=math.inf),
+          grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0, bucket=math.inf,
+          sharding=MEGATRON_BUCKETS),
+    Stack("megatron-lm-2022",
+          "Megatron-LM as Korthikanti et al. 2022 ran it (mid-2022): the 2021 stack with "
+          "sequence parallelism and selective recomputation, and backward's column-parallel "
+          "collectives asynchronous beside their GEMMs (the re-gather beside the input-gradient "
+          "GEMM, the reduce-scatter or the all-reduce beside the weight-gradient GEMM: "
+          "megatron/mpu/layers.py, async_tensor_model_parallel_allreduce on by default); the "
+          "gradients all-reduced after the last backward, pipeline sends blocking",
+          fused=True, attention="fa2", grads=0.0, params=0.0, tp=0.0, tp_backward=1.0, cp=0.0,
+          ep=0.0, pp=0.0, bucket=math.inf, sharding=MEGATRON_BUCKETS),
+    Stack("megatron-lm-2023",
+          "Megatron-LM in 2023, before its overlaps (--overlap-grad-reduce came in August 2023, "
+          "--tp-comm-overlap in October, --overlap-param-gather in November: its git history): "
+          "the fused kernels, FlashAttention-2 (--use-flash-attn, May 2023), sequence "
+          "parallelism, the distributed optimizer reduce-scattering every gradient after the "
+          "last backward and gathering the weights after the step, tensor-parallel collectives "
+          "and pipeline sends blocking but backward's column-parallel collectives (as "
+          "megatron-lm-2022)", fused=True, attention="fa2",
+          grads=0.0, params=0.0, tp=0.0, tp_backward=1.0, cp=0.0, ep=0.0, pp=0.0,
+          bucket=math.inf, sharding=MEGATRON_BUCKETS),
+    Stack("megatron-deepspeed",
+          "Megatron-DeepSpeed as BigScience (BLOOM) and MT-NLG ran it: Megatron-LM's 2021 model "
+          "code and fused kernels, DeepSpeed's pipeline engine (1F1B; each send and receive its own "
+          "blocking step), "
+          "tensor-parallel collectives blocking, ZeRO-1 as DeepSpeed's BF16_Optimizer does it: "
+          "the engine all-reduces every gradient after the last backward, each rank updates its "
+          "shard, the weights are all-gathered after the step", fused=True, attention="fa2",
+          grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0, bucket=math.inf,
+          sharding=Sharding(gather="bucket", reduce="bucket", host_ops=2,
+                            zero1_reduce="all_reduce"), pp_transfers=4),
     Stack("megatron-core-2024",
           "Megatron-Core r0.8 as Megatron-LM's README benchmarks it (July 2024): Transformer "
           "Engine's fused kernels and cuDNN attention, the distributed optimizer with "
           "--overlap-grad-reduce and --overlap-param-gather, --tp-comm-overlap, overlapped "
           "pipeline sends, context parallelism's ring overlapped with attention; gradients "
           "reduced in buckets of max(40M, 1M x dp) parameters", fused=True, attention="fa3",
-          grads=1.0, params=1.0, tp=1.0, cp=1.0, ep=0.0, pp=1.0, bucket=40e6),
+          grads=1.0, params=1.0, tp=1.0, cp=1.0, ep=0.0, pp=1.0, bucket=40e6,
+          sharding=Sharding(gather="bucket", reduce="bucket", host_ops=2, bucket_per_rank=1e6)),
     Stack("torchtitan-fsdp2",
           "torchtitan (end of 2024) without torch.compile: eager PyTorch ops, SDPA's flash "
           "backend (FlashAttention-2), FSDP2 gathering each block's weights ahead of its forward "
           "and again for backward, reduce-scattering behind backward, copying in and out of its "
           "flat buffers; selective recomputation is its op policy; no async tensor parallelism "
           "without compile", fused=False, attention="fa2", selective="half-mm",
-          grads=1.0, params=1.0, tp=0.0, cp=1.0, ep=0.0, pp=0.0, copies=True, bucket=0.0),
+          grads=1.0, params=1.0, tp=0.0, cp=1.0, ep=0.0, pp=0.0, copies=True, bucket=0.0,
+          sp_regather=False, sharding=PER_PARAMETER),
     Stack("torchtitan-fsdp2-compile",
           "torchtitan with torch.compile per block: as torchtitan-fsdp2, the element-wise ops "
           "fused by Inductor", fused=True, attention="fa2", selective="half-mm",
-          grads=1.0, params=1.0, tp=0.0, cp=1.0, ep=0.0, pp=0.0, copies=True, bucket=0.0),
+          grads=1.0, params=1.0, tp=0.0, cp=1.0, ep=0.0, pp=0.0, copies=True, bucket=0.0,
+          sp_regather=False, sharding=PER_PARAMETER),
     Stack("pytorch-fsdp1",
           "PyTorch's FullyShardedDataParallel (FSDP1, flat parameters) as MosaicML's "
           "llm-foundry runs it: eager ops, FlashAttention-2, backward prefetch of the next "
           "unit's gather, FULL_SHARD gathering again for backward (SHARD_GRAD_OP is zero=2)",
-          fused=False, attention="fa2", grads=1.0, params=1.0, bucket=0.0),
+          fused=False, attention="fa2", grads=1.0, params=1.0, bucket=0.0, sharding=FLAT_PARAMETERS),
     Stack("pytorch-fsdp1-compile",
           "FSDP1 with torch.compile, as IBM's fms-fsdp runs it (SDPA FlashAttention-2, "
           "selective recomputation of the attention core)", fused=True, attention="fa2",
-          grads=1.0, params=1.0, bucket=0.0),
+          grads=1.0, params=1.0, bucket=0.0, sharding=FLAT_PARAMETERS),
+    Stack("metaseq",
+          "metaseq as OPT-175B was trained (Zhang et al. 2022, sec. 2.4; facebookresearch/"
+          "metaseq's opt_baselines.py): fairscale's FSDP (a flat parameter per layer, "
+          "--no-reshard-after-forward: zero=2, gradients reduce-scattered behind backward) with "
+          "Megatron-LM's tensor parallelism and fused kernels, its collectives blocking",
+          fused=True, attention="fa2", grads=1.0, params=1.0, tp=0.0, bucket=0.0,
+          sharding=FLAT_PARAMETERS),
     Stack("deepspeed-zero3",
-          "DeepSpeed ZeRO stage 3 (Rajbhandari et al. 2020; DeepSpeed's config docs: "
-          "overlap_comm, stage3_prefetch_bucket_size): a Hugging Face model's eager ops and "
-          "FlashAttention-2, weights gathered per micro-batch for forward and again for "
-          "backward, gradients reduce-scattered per micro-batch, partitioned parameters copied "
-          "in and out", fused=False, attention="fa2", grads=1.0, params=1.0, copies=True,
-          bucket=5e8),
+          "DeepSpeed ZeRO stage 3 as of 2024-25 (Rajbhandari et al. 2020; DeepSpeed's config "
+          "docs and partitioned_param_coordinator.py): a Hugging Face model's eager ops and "
+          "FlashAttention-2; per micro-batch each submodule's weights gathered by one "
+          "all_gather_coalesced (tensors under stage3_param_persistence_threshold, 1e5, stay "
+          "gathered), prefetched up to stage3_prefetch_bucket_size (5e7) ahead, gathered again "
+          "for backward; gradients reduce-scattered in reduce_bucket_size (5e8) buckets behind "
+          "backward (overlap_comm, on by default at stage 3); partitioned parameters copied in "
+          "and out", fused=False, attention="fa2", grads=1.0, params=1.0, copies=True,
+          bucket=5e8,
+          sharding=Sharding(gather="module", reduce="bucket", persist=1e5, host_ops=12,
+                            tensor_ops=2, staging=2 * 5e8, prefetch=5e7)),
+    Stack("deepspeed-zero3-2021",
+          "DeepSpeed ZeRO stage 3 as released in 2021 (v0.3.15 to v0.5.5) under Megatron-LM's "
+          "GPT (DeepSpeedExamples' fused kernels): each parameter tensor of 1e5 elements or more "
+          "gathered alone by torch.distributed.all_gather into a list of one tensor per rank, "
+          "after a torch.cuda.synchronize() (partition_parameters.py's _allgather_param; DeepSpeed "
+          "PR 1188, October 2021: 'the async version is not async at all, because each "
+          "all_gather calls torch.cuda.synchronize()' and 'all_gather will do implicit memcpy'), "
+          "gathered again for backward; each gradient reduce-scattered alone from a list of one "
+          "tensor per rank (_reduce_scatter_gradient) behind backward (overlap_comm on at stage "
+          "3); partitioned parameters copied in and out", fused=True, attention="fa2",
+          grads=1.0, params=0.0, copies=True, bucket=5e8,
+          sharding=Sharding(gather="tensor", reduce="tensor", persist=1e5, host_ops=6,
+                            rank_ops=2, blocking=True, staging=2 * 5e8, prefetch=5e7)),
     Stack("llama3-meta",
           "Meta's stack as the Llama 3 paper describes it (Dubey et al. 2024, sec. 3.3.2): "
           "FSDP sharding optimizer state and gradients, weights gathered once and not resharded "
           "after forward (zero=2 here), context parallelism by an all-gather of K and V that is "
           "not overlapped, asynchronous pipeline sends; its kernels are not named: "
-          "FlashAttention-2's class assumed (FlashAttention-3 was published with the model)",
+          "FlashAttention-2's class assumed (FlashAttention-3 was published with the model); "
+          "sequence parallelism as PyTorch's, its gathered input kept for backward",
           fused=True, attention="fa2", grads=1.0, params=1.0, tp=0.0, cp=0.0, pp=1.0,
-          gather_backward=False, bucket=0.0),
+          gather_backward=False, bucket=0.0, sp_regather=False, sharding=FLAT_PARAMETERS),
 )}
 
 DEFAULT = "megatron-core-2024"

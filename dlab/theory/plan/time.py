@@ -12,14 +12,22 @@ at share 0, what the window cannot cover at share 1 (``exposed``). Per micro-bat
 
 - tp: forward two all-reduces of the layer's b (s/cp) h activation (sequence parallelism: two
   all-gathers and two reduce-scatters), backward as many, again in a fully recomputed
-  forward; their window is the layer's matmuls (Megatron-Core's --tp-comm-overlap pipelines
-  them with the GEMMs beside them); plus one on the embedding and two at the head, exposed;
+  forward; under sequence parallelism backward gathers the two matmuls' inputs again for
+  their weight gradients (Megatron-LM's, and dlab's nd: 10 (t-1)/t of the activation a layer
+  where all-reduces would move 8) unless the stack keeps them (``Stack.sp_regather``); a stack
+  may hide only backward's column-parallel collectives (``Stack.tp_backward``: the input
+  gradient's all-reduce, or its reduce-scatter and the re-gather, behind the QKV and MLP-in
+  GEMMs beside them, Megatron-LM's asynchronous ones); their window is the layer's matmuls
+  (Megatron-Core's --tp-comm-overlap pipelines them with the GEMMs beside them); plus one on
+  the embedding and two at the head, exposed;
 - cp, a ring: (cp-1) passes of the rank's K and V forward, twice that backward (dK and dV come
   back), their window the attention core; an all-gather (Llama 3's): an all-gather of K and V
   forward, another and a reduce-scatter of their gradients backward;
 - ep: the dispatch and combine all-to-alls, forward and backward;
 - pp: a send of the boundary activation forward and of its gradient backward per micro-batch
-  and model chunk, their window the micro-batch's compute;
+  and model chunk, their window the micro-batch's compute; a stage waits for two transfers a
+  micro-batch where each send is paired with the receive it waits on, four where sends and
+  receives are separate blocking steps (``Stack.pp_transfers``);
 - data (the dp x cp ranks; ``zero_group`` of them sharing a shard under hybrid sharding, the
   shards all-reduced over the replicas): ZeRO-0 one all-reduce of the gradients behind the
   last micro-batch's backward, ZeRO-1 a reduce-scatter there and one all-gather of the weights
@@ -38,9 +46,8 @@ seconds (``dlab.theory.plan.ranges``: 0.1, from 0 to 0.2).
 
 Bubble: the schedule's idle fraction (``dlab.theory.pipeline``'s closed forms, the simulation
 where none applies) of the stage's time per micro-batch (compute and its exposed tp, cp and ep
-communication). Optimizer: Adam reads and writes its shard's fp32 master weights and two
-moments (24 bytes a parameter), reads the gradient twice (the norm clip and the update), zeroes
-it, and writes the 16-bit weights.
+communication). Optimizer: Adam over the rank's shard (``optimizer_time``, which the CPU model
+uses too).
 """
 from __future__ import annotations
 
@@ -49,9 +56,10 @@ import functools
 import math
 from dataclasses import dataclass
 
+from dlab.core.precision import PRECISIONS
 from dlab.theory.pipeline import bubble, simulated_bubble
 from dlab.theory.plan.collectives import bus_bytes, collective_time
-from dlab.theory.plan.memory import BYTES, layers_on, rank_params
+from dlab.theory.plan.memory import BYTES, layers_on, optimizer_shard, rank_params
 from dlab.theory.plan.ops import end_ops, layer_ops, recomputed
 
 
@@ -78,6 +86,10 @@ def bubble_fraction(lay, m: int) -> float:
     if closed is not None:
         return closed
     return simulated_bubble(lay.schedule, lay.pp, m, lay.virtual_stages, third, third, third)
+
+
+#: the column-parallel matmuls (their input gradient's collective is the f operator's)
+COLUMN = ("qkv", "mlp in", "mlp gate", "mlp up")
 
 
 def _seconds(ops, cluster, stack, knobs, elt) -> float:
@@ -108,9 +120,11 @@ def _compute(spec, cluster, lay, stack, seq_len: int, pp_rank: int, knobs: Knobs
 
     f, b = total(fwd), total(bwd)
     return {"layers": layers, "layer_forward": f, "layer_backward": b,
-            "layer_recompute": total(recomputed(spec, lay, stack, fwd)) / lay.recompute_every,
+            "layer_recompute": total(recomputed(spec, lay, stack, fwd))
+            * spec.recomputed_share(lay.recompute, lay.recompute_every),
             "matmul_forward": total(op for op in fwd if op.kind == "matmul"),
             "matmul_backward": total(op for op in bwd if op.kind == "matmul"),
+            "column_backward": total(op for op in bwd if op.kind == "matmul" and op.name.startswith(COLUMN)),
             "attention_forward": total(op for op in fwd if op.core),
             "attention_backward": total(op for op in bwd if op.core),
             "forward": layers * f + total(ends[0]), "backward": layers * b + total(ends[1])}
@@ -146,20 +160,30 @@ def communication(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp
         ops = (("all_gather", 2), ("reduce_scatter", 2)) if lay.sequence_parallel else (("all_reduce", 2),)
         one = sum(k * collective_time(cluster, op, act, t) for op, k in ops)
         sent_one = sum(k * bus_bytes(op, act, t) for op, k in ops)
-        share = _share(stack, knobs, "tp")
+        # sequence parallelism's backward gathers the two matmul inputs again for the weight
+        # gradients unless the stack kept them from forward (Stack.sp_regather)
+        regather = 2 if lay.sequence_parallel and stack.sp_regather else 0
+        back = one + regather * collective_time(cluster, "all_gather", act, t)
+        share, column = _share(stack, knobs, "tp"), _share(stack, knobs, "tp_backward")
         charge("tp", one, comp["matmul_forward"], share, m * layers)
-        charge("tp", one, comp["matmul_backward"], share, m * layers)
-        again = 1 / lay.recompute_every if lay.recompute == "full" else 0.0
+        if column > share:  # the column-parallel layers' collectives behind their own GEMMs
+            row = 2 * collective_time(cluster, "all_gather", act, t) if lay.sequence_parallel else 0.0
+            charge("tp", row, comp["matmul_backward"], share, m * layers)
+            charge("tp", back - row, comp["column_backward"], column, m * layers)
+        else:
+            charge("tp", back, comp["matmul_backward"], share, m * layers)
+        again = spec.recomputed_share(lay.recompute, lay.recompute_every) if lay.recompute == "full" else 0.0
         calls = 2 + again
         charge("tp", one, comp["matmul_forward"], share, m * layers * again)
         ends = int(first) + 2 * int(last)
         end_op = "reduce_scatter" if lay.sequence_parallel else "all_reduce"
         charge("tp", collective_time(cluster, end_op, act, t), 0.0, 0.0, m * ends)
-        sent["tp"] = m * (layers * calls * sent_one + ends * bus_bytes(end_op, act, t))
+        sent["tp"] = m * (layers * (calls * sent_one + regather * bus_bytes("all_gather", act, t))
+                          + ends * bus_bytes(end_op, act, t))
     if cp > 1:
         kv = 2 * e * T * spec.kv_width * t // min(t, spec.n_kv_head) / t
         share = _share(stack, knobs, "cp")
-        again = 1 / lay.recompute_every if lay.recompute != "none" else 0.0
+        again = spec.recomputed_share(lay.recompute, lay.recompute_every)
         if lay.cp_attention == "allgather":
             gather = collective_time(cluster, "all_gather", kv * cp, cp, t)
             scatter = collective_time(cluster, "reduce_scatter", kv * cp, cp, t)
@@ -175,7 +199,8 @@ def communication(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp
     if spec.n_expert > 1 and lay.ep > 1:
         buf = act * spec.top_k
         one = collective_time(cluster, "all_to_all", buf, lay.ep, t)
-        calls = 4 + (2 / lay.recompute_every if lay.recompute == "full" else 0.0)
+        calls = 4 + (2 * spec.recomputed_share(lay.recompute, lay.recompute_every)
+                     if lay.recompute == "full" else 0.0)
         charge("ep", one, comp["matmul_forward"], _share(stack, knobs, "ep"), m * layers * calls)
         sent["ep"] = m * layers * calls * bus_bytes("all_to_all", buf, lay.ep)
     if lay.pp > 1:
@@ -183,7 +208,8 @@ def communication(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp
         hop = collective_time(cluster, "p2p", boundary, 2, t * cp * lay.dp)
         sends = 2 * lay.virtual_stages * m
         window = (comp["forward"] + comp["backward"]) / lay.virtual_stages
-        charge("pp", hop, window, _share(stack, knobs, "pp"), sends, micro=False)
+        waits = sends * stack.pp_transfers / 2  # transfers the stage waits for (Stack.pp_transfers)
+        charge("pp", hop, window, _share(stack, knobs, "pp"), waits, micro=False)
         sent["pp"] = sends * boundary
     copies = 0.0
     n = lay.dp * cp
@@ -201,13 +227,12 @@ def _data(spec, cluster, lay, stack, pp_rank, m, comp, knobs, out, hidden, sent)
     shard = lay.zero_group or n
     dense, experts = rank_params(spec, lay, pp_rank)
     layers = max(comp["layers"], 1)
-    groups = [(dense, shard, n // shard, t)]
+    groups = [(dense, shard, n // shard, t, True)]
     if experts:  # the experts' owners: n / ep ranks, ep apart
         k = n // lay.ep
-        groups.append((experts, min(shard, k), k // min(shard, k), t * lay.ep))
+        groups.append((experts, min(shard, k), k // min(shard, k), t * lay.ep, False))
     grads, params = _share(stack, knobs, "grads"), _share(stack, knobs, "params")
     f_micro, b_micro = comp["forward"], comp["backward"] + comp["layer_recompute"] * layers
-    f_layer, b_layer = comp["layer_forward"], comp["layer_backward"] + comp["layer_recompute"]
     copies = 0.0
 
     def add(comm, window, share, count=1):
@@ -215,17 +240,20 @@ def _data(spec, cluster, lay, stack, pp_rank, m, comp, knobs, out, hidden, sent)
         out["data"] += count * shown
         hidden["data"] += count * (comm - shown)
 
-    for psi, k, replicas, stride in groups:
+    sh = stack.sharding
+    for psi, k, replicas, stride, dense_group in groups:
         if k * replicas <= 1:
             continue
         # the collectives' units: buckets of ``stack.bucket`` parameters (Megatron's at least
         # 1M per data rank), or one per layer (FSDP, DeepSpeed): each pays its own latency
-        bucket = max(stack.bucket, 1e6 * n) if stack.bucket else psi / layers
+        bucket = max(stack.bucket, sh.bucket_per_rank * n) if stack.bucket else psi / layers
         units = max(1, math.ceil(psi / bucket))
         per = psi / units
-        reduce_op = "all_reduce" if lay.zero == 0 else "reduce_scatter"
+        zero1 = sh.zero1_reduce if lay.zero in (1, 2) else "reduce_scatter"
+        reduce_op = "all_reduce" if lay.zero == 0 or zero1 == "all_reduce" else "reduce_scatter"
         place = (cluster, k, replicas, stride, w, g, reduce_op)
-        rs, ag = _reduce(place, per), _gather(place, per)
+        host = _host(cluster, sh, 1, k)
+        rs, ag = _reduce(place, per) + host, _gather(place, per) + host
         reduce_sent = bus_bytes(reduce_op, g * psi, k) + bus_bytes("all_reduce", g * psi / k, replicas)
         gather_sent = bus_bytes("all_gather", w * psi, k)
         reduces = m if lay.zero == 2 else 1  # ZeRO-2 reduce-scatters every micro-batch's gradients
@@ -239,20 +267,88 @@ def _data(spec, cluster, lay, stack, pp_rank, m, comp, knobs, out, hidden, sent)
             sent["data"] += gather_sent
             copies += 2 * w * psi / (cluster.hbm * cluster.kernels.hbm) if stack.copies else 0.0
         if lay.zero == 3:
-            units = layers  # a layer's weights gathered ahead of it, its gradient reduced behind
-            per = psi / units
-            ag, rs = _gather(place, per), _reduce(place, per)
-            backward_gathers = (units - 1) if stack.gather_backward else 0
-            add(ag, 0.0, 0.0, m)  # the first unit of each forward
-            add(ag, f_layer, params, m * (units - 1))
-            add(ag, b_layer, params, m * backward_gathers)
-            add(rs, b_layer, grads, m * (units - 1))
-            add(rs, 0.0, 0.0, m)  # the last unit's reduction: no backward left to hide it
-            sent["data"] += m * (reduce_sent + gather_sent * (units + backward_gathers) / units)
-            if stack.copies:
-                moved = m * 2 * (w * psi * (units + backward_gathers) / units + g * psi)
-                copies += moved / (cluster.hbm * cluster.kernels.hbm)
+            moved = _sharded(spec, cluster, lay, stack, m, comp, place, psi, layers, dense_group,
+                             (grads, params), add, sent)
+            copies += moved / (cluster.hbm * cluster.kernels.hbm) if stack.copies else 0.0
     return copies
+
+
+def _sharded(spec, cluster, lay, stack, m, comp, place, psi, layers, dense_group, shares, add,
+             sent) -> float:
+    """ZeRO-3 (module docstring), as the stack issues it (``Stack.sharding``): per micro-batch
+    each layer's weights gathered ahead of its forward and again ahead of its backward, its
+    gradients reduced behind its backward, in the collectives ``_messages`` lists, each paying
+    its latency at the group's size and the host's work to issue it. A layer's gathers hide
+    behind the layer before (its forward or backward: the window, shorter as the tokens a rank
+    holds fall) at the stack's share, the first layer's gathers and the last reduction behind
+    nothing; a stack that waits for the device before each gather (``Sharding.blocking``)
+    hides none of them, nor the host's work. Elsewhere the host runs ahead and shows only
+    where a layer's host work outlasts its compute. Returns the bytes copied in and out of the
+    collectives' buffers."""
+    cluster, k, replicas, _, w, g, reduce_op = place
+    sh = stack.sharding
+    grads, params = shares
+    f_layer, b_layer = comp["layer_forward"], comp["layer_backward"] + comp["layer_recompute"]
+    per_layer = psi / layers
+    gathers = _messages(spec, lay, sh, "gather", per_layer) if dense_group else [(per_layer, 1)]
+    ag = sum(_gather(place, p) for p, _ in gathers)
+    ag_host = sum(_host(cluster, sh, c, k) for _, c in gathers)
+    backward_gathers = (layers - 1) if stack.gather_backward else 0
+    if sh.blocking:
+        add(ag + ag_host, 0.0, 0.0, m * (layers + backward_gathers))
+    else:
+        add(ag, 0.0, 0.0, m)  # the first layer of each forward
+        add(ag, f_layer, params, m * (layers - 1))
+        add(ag, b_layer, params, m * backward_gathers)
+    if sh.reduce == "bucket" and stack.bucket:  # buckets that span layers, each behind its share
+        units = max(1, math.ceil(psi / max(stack.bucket, sh.bucket_per_rank * lay.dp * lay.cp)))
+        tensors = len(spec.layer_tensors(lay.tp)) * layers / units
+        rs = _reduce(place, psi / units)
+        rs_host = units * _host(cluster, sh, tensors, k) / layers
+        add(rs, 0.0, 0.0, m)
+        add(rs, (comp["backward"] + comp["layer_recompute"] * layers) / units, grads, m * (units - 1))
+    else:
+        reductions = _messages(spec, lay, sh, "reduce", per_layer) if dense_group else [(per_layer, 1)]
+        rs = sum(_reduce(place, p) for p, _ in reductions)
+        rs_host = sum(_host(cluster, sh, c, k) for _, c in reductions)
+        add(rs, b_layer, grads, m * (layers - 1))
+        add(rs, 0.0, 0.0, m)  # the last layer's reduction: no backward left to hide it
+    gathered = sum(p for p, _ in gathers) * layers
+    if sh.blocking:  # the host's reductions run beside the layer's backward, then it waits again
+        add(max(0.0, rs_host - b_layer), 0.0, 0.0, m * layers)
+    else:
+        host = ag_host * (layers + backward_gathers) / layers + rs_host
+        add(max(0.0, host - f_layer - b_layer), 0.0, 0.0, m * layers)
+    sent["data"] += m * (bus_bytes(reduce_op, g * psi, k) + bus_bytes("all_reduce", g * psi / k, replicas)
+                         + bus_bytes("all_gather", w * gathered, k) * (layers + backward_gathers) / layers)
+    return m * 2 * (w * gathered * (layers + backward_gathers) / layers + g * psi)
+
+
+def _messages(spec, lay, sh, kind: str, per_layer: float) -> list[tuple[float, int]]:
+    """(parameters, tensors) of each collective one layer's weight gathers (``kind`` "gather")
+    or gradient reductions ("reduce") issue under the sharding ``sh``: one per parameter tensor
+    ("tensor"), per submodule ("module") or one for the layer ("block"), the tensors that stay
+    gathered (``Sharding.persist``) left out of the gathers; in the layer's ``per_layer``
+    parameters on the rank, shared out as its tensors' sizes are."""
+    tensors = spec.layer_tensors(lay.tp)
+    scale = per_layer / sum(n for _, n in tensors)
+    if kind == "gather":
+        tensors = [(name, n) for name, n in tensors if n >= sh.persist]
+    unit = sh.gather if kind == "gather" else sh.reduce
+    if unit == "tensor":
+        return [(n * scale, 1) for _, n in tensors]
+    if unit == "module":
+        modules: dict[str, tuple[float, int]] = {}
+        for name, n in tensors:
+            size, count = modules.get(name, (0.0, 0))
+            modules[name] = (size + n, count + 1)
+        return [(size * scale, count) for size, count in modules.values()]
+    return [(sum(n for _, n in tensors) * scale, len(tensors))] if tensors else []
+
+
+def _host(cluster, sh, tensors: float, ranks: int) -> float:
+    """Host seconds to issue one collective carrying ``tensors`` over ``ranks`` (``Sharding``)."""
+    return cluster.kernels.launch * (sh.host_ops + sh.tensor_ops * tensors + sh.rank_ops * ranks)
 
 
 def _reduce(place, params: float) -> float:
@@ -269,13 +365,18 @@ def _gather(place, params: float) -> float:
 
 
 def optimizer_time(spec, cluster, lay, pp_rank: int) -> float:
-    """Adam over the rank's shard (module docstring)."""
-    w, g, _ = BYTES[lay.precision]
-    dense, experts = rank_params(spec, lay, pp_rank)
-    n = lay.dp * lay.cp
-    shard = lay.zero_group or n
-    psi = dense / (shard if lay.zero else 1) + experts / (max(min(shard, n // lay.ep), 1) if lay.zero else 1)
-    return psi * (24 + 3 * g + w) / (cluster.hbm * cluster.kernels.hbm) + 10 * cluster.kernels.launch
+    """Adam over the rank's shard (``memory.optimizer_shard``), memory-bound: its state read and
+    written (2 K bytes a parameter: the fp32 master and two moments in mixed precision, the
+    moments alone in fp32, whose weights it then reads and writes too, 2 x 4), the gradient read
+    twice (the norm clip and the update) and zeroed (3 g), the 16-bit weights written (w);
+    ten launches on a GPU. One function for the GPU and the CPU machine (``cpu``), whose
+    streaming kernels are its measured bandwidth itself."""
+    w, g, k = BYTES[lay.precision]
+    per_param = 2 * k + 3 * g + (w if PRECISIONS[lay.precision].mixed else 2 * w)
+    kernels = cluster.kernels
+    share = kernels.hbm if kernels else 1.0
+    launches = 10 * kernels.launch if kernels else 0.0
+    return optimizer_shard(spec, lay, pp_rank) * per_param / (cluster.hbm * share) + launches
 
 
 def stage(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp_rank: int,
