@@ -290,6 +290,15 @@ MUTATIONS = [
           "    for r, (_, log) in enumerate(answers[:1]):\n        one ="),),
         ("tests/test_exercises.py::test_the_checker_looks_at_every_rank[zero3_forward]",),
     ),
+    Mutation(
+        "quota-said-full",
+        "the disk checks: a quota error (EDQUOT) reported as a full disk (ENOSPC)",
+        "dlab/core/rundir.py",
+        (("        return DiskError(path, error.errno, instead)\n",
+          "        return DiskError(path, errno.ENOSPC if error.errno in FULL else error.errno, "
+          "instead)\n"),),
+        ("tests/test_disk_faults.py::test_each_disk_error_is_said_in_its_own_words_naming_the_path",),
+    ),
 ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from helpers import TINY_GPT
 import dlab
 from dlab.core import rundir
 from dlab.core.config import RunConfig
-from dlab.core.rundir import DiskFull, read_json, reserve, write_json
+from dlab.core.rundir import DiskError, read_json, reserve, write_json
 from dlab.procs import run as run_module
 
 PACKAGE_ROOT = str(Path(dlab.__file__).resolve().parent.parent)
@@ -45,9 +46,47 @@ def _leftovers(root: Path) -> list[str]:
 def test_a_full_disk_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch):
     monkeypatch.setattr(rundir, "_write_new", _full)
     target = tmp_path / "launch.json"
-    with pytest.raises(DiskFull, match=rf"^no space left on {tmp_path}/launch\.json: free some"):
+    with pytest.raises(DiskError, match=rf"^no space left on {tmp_path}/launch\.json: free some"):
         write_json(target, {"a": 1})
     assert not target.exists() and not _leftovers(tmp_path)
+
+
+#: each errno the disk checks tell apart, and how its message must begin (written here, apart
+#: from dlab.core.rundir.DISK_ERRORS): a quota is not a full disk, nor a read-only or failing one
+SAID = {errno.ENOSPC: "no space left on {path}: free some space there",
+        errno.EDQUOT: "disk quota exceeded on {path}: your quota on that file system is used up",
+        errno.EROFS: "{path} is on a read-only file system: write runs elsewhere",
+        errno.EIO: "an input/output error writing {path}: the disk or the network file system"}
+
+
+def test_the_disk_errors_told_apart_are_the_ones_tested():
+    assert set(rundir.DISK_ERRORS) == set(SAID)
+
+
+@pytest.mark.parametrize("code", sorted(SAID), ids=lambda code: errno.errorcode[code])
+def test_each_disk_error_is_said_in_its_own_words_naming_the_path(code, tmp_path, monkeypatch,
+                                                                  capsys):
+    def refused(path, text):
+        with open(path, "w") as f:
+            f.write(text[:10])
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(rundir, "_write_new", refused)
+    target = tmp_path / "launch.json"
+    with pytest.raises(DiskError) as info:
+        write_json(target, {"a": 1})
+    assert info.value.errno == code and str(info.value).startswith(SAID[code].format(path=target))
+    assert not target.exists() and not _leftovers(tmp_path)
+    # the command line says it in one line too, naming the file it could not write
+    runs = tmp_path / "runs"
+    monkeypatch.setattr(RunConfig, "save", lambda self, path: refused(path, "{}"))
+    from dlab.cli.main import main
+    assert main(["run", "single", "-n", "1", "--steps", "1", "--runs-dir", str(runs)]) == 1
+    err = capsys.readouterr().err
+    before, after = SAID[code].split("{path}")
+    assert err.startswith(f"error: {before}{runs}/") and after in err, err  # the run's directory
+    assert err.count("\n") == 1, err
+    assert not any(runs.iterdir()), "a half-set-up run directory was left"
 
 
 def test_the_reserved_record_is_written_in_place_on_a_full_disk(tmp_path, monkeypatch):
@@ -65,7 +104,7 @@ def test_a_run_that_cannot_be_set_up_is_removed_and_the_cli_says_why(runs_dir, m
         _full(path, json.dumps(self.to_dict()))
 
     monkeypatch.setattr(RunConfig, "save", save)
-    with pytest.raises(DiskFull, match=rf"no space left on {runs_dir}/"):
+    with pytest.raises(DiskError, match=rf"no space left on {runs_dir}/"):
         dlab.launch("single", 1, runs_dir=runs_dir, **TINY_GPT)
     assert not any(runs_dir.iterdir()), "a half-set-up run directory was left"
     from dlab.cli.main import main
@@ -129,7 +168,7 @@ def test_a_rank_on_a_full_disk_reports_which_file_and_exits(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 1, done.stderr
     report = read_json(tmp_path / "run/ranks/rank0.json")
-    assert report["exception"] == "DiskFull" and report["step"] == 0, report
+    assert report["exception"] == "DiskError" and report["step"] == 0, report
     assert report["message"].startswith(f"no space left on {tmp_path}/run/metrics/rank0.jsonl")
 
 

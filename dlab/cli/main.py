@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
-from pathlib import Path
 
 from dlab import parallel
 from dlab.analysis.diagnose import RunFailed
@@ -14,7 +12,8 @@ from dlab.bench import run_bench
 from dlab.cli import plan as plan_cli
 from dlab.cli.env import format_report, report
 from dlab.core.config import ConfigError, add_arguments, from_args
-from dlab.core.rundir import FULL, disk_error
+from dlab.core.output import check_output_path, write_output
+from dlab.core.rundir import DISK_ERRORS, disk_error
 from dlab.models.corpus import make_corpus
 from dlab.models.data import CORPUS
 from dlab.procs.launch import launch
@@ -33,21 +32,6 @@ class Interrupted(KeyboardInterrupt):
 
 def _raise_interrupted(signum, _frame) -> None:
     raise Interrupted(signum)
-
-
-def _check_json_path(path: str | None) -> None:
-    """Refuse an unwritable --json path before the command works, not after it."""
-    if not path:
-        return
-    target = Path(path)
-    if target.is_dir():
-        raise ConfigError(f"--json {path} is a directory; give a file name, e.g. {target / 'summary.json'}")
-    parent = target.parent if str(target.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"--json {path}: the directory {parent} does not exist; create it or "
-                          f"choose another path")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ConfigError(f"--json {path} cannot be written (no permission); choose another path")
 
 
 def _run(args) -> int:
@@ -74,10 +58,7 @@ def _run(args) -> int:
             signal.signal(sig, handler)
     print(run.summary())
     if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(run.summary().to_dict(), indent=1))
-        except OSError as e:
-            raise disk_error(e, args.json) from None
+        write_output(args.json, json.dumps(run.summary().to_dict(), indent=1))
     if run.state == "preempted":
         # a scheduler's wrapper requeues on this status (the README's Slurm recipe)
         step = next(iter(run.status().get("ranks", {}).values()), {}).get("resume_from")
@@ -170,17 +151,18 @@ def main(argv: list[str] | None = None) -> int:
         command.set_defaults(json_is_a_path=True)
     args = p.parse_args(argv)
     try:
-        if getattr(args, "json_is_a_path", False):
-            _check_json_path(args.json)  # before the work, not after it
+        if getattr(args, "json_is_a_path", False) and args.json:
+            check_output_path(args.json)  # before the work, not after it
         return args.func(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        if e.errno not in FULL:
+        if e.errno not in DISK_ERRORS:
             raise
-        # a full disk: said in one line, whatever wrote (what was set up is removed again,
-        # and a run that had started has recorded how it ended: dlab.core.rundir.reserve)
+        # a full, over-quota, read-only or failing disk: said in one line, whatever wrote (what
+        # was set up is removed again, and a run that had started has recorded how it ended:
+        # dlab.core.rundir.reserve)
         print(f"error: {disk_error(e, e.filename or 'the disk')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

@@ -41,7 +41,23 @@ class CorruptRunFile(ValueError):
     """A file of a run directory that cannot be read as what it should hold."""
 
 
-#: what a write says when the disk is full, or the user's quota is
+#: what a write's errno says about the file system it went to, and what to do about it: each
+#: its own sentence, since each needs another remedy (freeing space on a disk does not lift a
+#: user's quota; a read-only or failing file system takes no write however much is freed)
+DISK_ERRORS = {
+    errno.ENOSPC: ("no space left on {path}", "free some space there, or {instead}"),
+    errno.EDQUOT: ("disk quota exceeded on {path}", "your quota on that file system is used up "
+                                                    "(`quota -s` shows it): remove some of your "
+                                                    "files there, or {instead}"),
+    errno.EROFS: ("{path} is on a read-only file system", "{instead}, or remount it read-write"),
+    errno.EIO: ("an input/output error writing {path}", "the disk or the network file system "
+                                                        "under it failed (dmesg says more): check "
+                                                        "it, or {instead}"),
+}
+#: the way out that every remedy offers, for a run's own files
+ELSEWHERE = "write runs elsewhere (runs_dir, --runs-dir)"
+#: the errors after which a file set aside by ``reserve`` can still be written: overwriting it
+#: in place needs no new block
 FULL = (errno.ENOSPC, errno.EDQUOT)
 #: bytes set aside, when a run (``status.json``) or a rank (its report) starts, for the file
 #: that records how it ended: on a full disk it is overwritten in place, which needs no new
@@ -49,22 +65,24 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 RESERVED_BYTES = 64 * 1024
 
 
-class DiskFull(OSError):
-    """A write found no space left on ``path``'s file system (ENOSPC, or EDQUOT: a quota)."""
+class DiskError(OSError):
+    """A write the file system refused (``DISK_ERRORS``: full, over quota, read-only, failing),
+    said in one sentence that names ``path`` and what to do (``instead``: where else to write)."""
 
-    def __init__(self, path, code: int = errno.ENOSPC):
-        super().__init__(code, f"no space left on {path}: free some space there, or write runs "
-                               f"elsewhere (runs_dir, --runs-dir)")
+    def __init__(self, path, code: int = errno.ENOSPC, instead: str = ELSEWHERE):
+        what, remedy = DISK_ERRORS[code]
+        super().__init__(code, f"{what.format(path=path)}: {remedy.format(instead=instead)}")
         self.path = path
 
     def __str__(self) -> str:
         return self.strerror
 
 
-def disk_error(error: OSError, path) -> OSError:
-    """``error`` as ``DiskFull`` naming ``path`` when it says the disk is full, else itself."""
-    if error.errno in FULL and not isinstance(error, DiskFull):
-        return DiskFull(path, error.errno)
+def disk_error(error: OSError, path, instead: str = ELSEWHERE) -> OSError:
+    """``error`` as ``DiskError`` naming ``path`` when its errno is one of ``DISK_ERRORS``,
+    else itself."""
+    if error.errno in DISK_ERRORS and not isinstance(error, DiskError):
+        return DiskError(path, error.errno, instead)
     return error
 
 
@@ -78,7 +96,7 @@ def _write_new(path: Path, text: str) -> None:
 def write_json(path: Path, obj) -> None:
     """Whole-file write by rename: a reader sees the old file or the new one, never half. On a
     full disk the temporary file is removed, and a file ``reserve`` set aside is overwritten in
-    place instead (it needs no new block); otherwise ``DiskFull`` names the path."""
+    place instead (it needs no new block); otherwise ``DiskError`` names the path."""
     path = Path(path)
     text = json.dumps(obj, indent=1, default=str)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

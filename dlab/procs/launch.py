@@ -73,7 +73,8 @@ def check_runs_dir(runs_dir: str | Path) -> None:
 def new_run_dir(runs_dir: str | Path, label: str) -> Iterator[RunDir]:
     """A fresh run directory for a run being set up. A write that fails before the run starts
     (a full disk, most likely) removes it again, so no half-written directory is left to read
-    as a lost run, and a full disk is said as ``DiskFull`` ("no space left on <path>")."""
+    as a lost run, and a disk that refuses it is said as ``DiskError`` ("no space left on
+    <path>", "disk quota exceeded on <path>", ...)."""
     run_dir = RunDir.create(runs_dir, label)
     try:
         yield run_dir
