@@ -71,6 +71,11 @@ def _no_work(*args, **kwargs):
     (["plan", "--json", "{tmp}"], "is a directory"),
     (["check", "--strategies", ","], "names no strategy"),
     (["check", "--strategies", ""], "names no strategy"),
+    (["check", "--strategies", "ddp,zero3,ddp"], "names ddp more than once"),
+    # a path whose directory exists but takes no new file, whatever the permission bits say
+    (["bench", "cells", "--json", "/proc/rows.json"], "/proc/rows.json cannot be written"),
+    (["run", "single", "--steps", "1", "--json", "/proc/s.json"], "/proc/s.json cannot be written"),
+    (["check", "--quick", "--json", "/proc/rows.json"], "/proc/rows.json cannot be written"),
 ])
 def test_every_cli_refuses_nonsense_before_it_works(argv, words, tmp_path, monkeypatch, capsys):
     """A --json path that cannot be written, or an empty list of strategies, is found before
@@ -88,3 +93,23 @@ def test_every_cli_refuses_nonsense_before_it_works(argv, words, tmp_path, monke
         code = e.code
     assert code == 2
     assert words in capsys.readouterr().err
+
+
+def test_check_on_its_own_refuses_an_unwritable_json_before_it_works(monkeypatch, capsys):
+    """``python -m dlab.tools.check`` (not through ``python -m dlab``) checks its --json too."""
+    from dlab.tools import check
+    monkeypatch.setattr(check, "run_check", _no_work)
+    with pytest.raises(SystemExit) as info:
+        check.main(["--strategies", "ddp", "--json", "/proc/rows.json"])
+    assert info.value.code == 2 and "/proc/rows.json cannot be written" in capsys.readouterr().err
+
+
+def test_a_full_disk_at_the_json_path_is_named(monkeypatch, capsys):
+    """/dev/full takes the open and refuses the write: the message names it, in one line."""
+    from dlab.bench import cells
+    from dlab.cli import main as cli
+    monkeypatch.setattr(cells, "run", lambda quick: [{"name": "cell", "dlab": 1.0}])
+    assert cli.main(["bench", "cells", "--json", "/dev/full"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("error: no space left on /dev/full: free some space there, or give --json "
+                   "another path\n"), err
