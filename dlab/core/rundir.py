@@ -31,8 +31,10 @@ import socket
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -175,31 +177,62 @@ def read_json_object(path: Path) -> dict | None:
     return obj
 
 
-Number = (int, float)
-#: what the summary and the figures read in every record, by the folder its file is in; a
-#: record without one of them (or with one of another kind) is skipped with a warning
+class Kind(NamedTuple):
+    """What a field of a record must hold: ``name`` for the warning, ``fits`` to test it."""
+    name: str
+    fits: Callable[[object], bool]
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+INTEGER = Kind("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+NUMBER = Kind("a number", _number)
+#: a step's time: rates and shares of the step divide by it
+POSITIVE = Kind("a positive number of seconds", lambda v: _number(v) and v > 0)
+TEXT = Kind("a string", lambda v: isinstance(v, str))
+#: an object every value of which is a number (a rank's memory by category)
+NUMBERS = Kind("an object", lambda v: isinstance(v, dict))
+#: what the summary, the figures and the dashboard read in every record, by the folder its file
+#: is in; a record without one of them, or with one of another kind, is skipped with a warning
 RECORD_FIELDS = {
-    "metrics": {("step",): int, ("loss",): Number, ("step_time",): Number,
-                ("tokens_per_s",): Number, ("mfu",): Number, ("memory",): dict,
-                ("comm", "sent_bytes"): Number, ("comm", "seconds"): Number},
-    "timeline": {("kind",): str, ("step",): int, ("start",): Number, ("end",): Number},
+    "metrics": {("step",): INTEGER, ("loss",): NUMBER, ("step_time",): POSITIVE,
+                ("tokens_per_s",): NUMBER, ("mfu",): NUMBER, ("memory",): NUMBERS,
+                ("comm", "sent_bytes"): NUMBER, ("comm", "seconds"): NUMBER},
+    "timeline": {("kind",): TEXT, ("step",): INTEGER, ("start",): NUMBER, ("end",): NUMBER},
 }
-_KIND_NAMES = {int: "an integer", Number: "a number", dict: "an object", str: "a string"}
+#: what they read where a record has it (older records lack some; ``wire_bytes`` is null where
+#: the transport cannot be measured): absent or null is fine, another kind is not
+OPTIONAL_FIELDS = {
+    "metrics": {("hfu",): NUMBER, ("busy_s",): NUMBER, ("idle_s",): NUMBER,
+                ("cuda_peak_bytes",): NUMBER, ("comm", "wire_bytes"): NUMBER,
+                ("comm", "exposed_seconds"): NUMBER, ("comm", "busy_seconds"): NUMBER},
+    "timeline": {("stage",): INTEGER},
+}
 
 
-def record_problem(record, fields: dict) -> str | None:
-    """What is wrong with ``record`` against ``fields`` (``RECORD_FIELDS``), or None."""
+def record_problem(record, fields: dict, optional: dict | None = None) -> str | None:
+    """What is wrong with ``record`` against ``fields`` and ``optional`` (``RECORD_FIELDS``,
+    ``OPTIONAL_FIELDS``), naming the field (``memory.parameters``, ``comm.wire_bytes``), or
+    None."""
     if not isinstance(record, dict):
         return f"a JSON {type(record).__name__}, not an object"
-    for path, kind in fields.items():
+    for path, kind in [*fields.items(), *(optional or {}).items()]:
         value = record
         for key in path:
             value = value.get(key) if isinstance(value, dict) else None
         name = ".".join(path)
         if value is None:
-            return f"no {name!r} field"
-        if not isinstance(value, kind) or (kind is not dict and isinstance(value, bool)):
-            return f"its {name!r} is {value!r}, not {_KIND_NAMES[kind]}"
+            if path in fields:
+                return f"no {name!r} field"
+            continue
+        if not kind.fits(value):
+            return f"its {name!r} is {value!r}, not {kind.name}"
+        if kind is NUMBERS:
+            bad = next((k for k, v in value.items() if not _number(v)), None)
+            if bad is not None:
+                return f"its '{name}.{bad}' is {value[bad]!r}, not a number"
     return None
 
 
@@ -208,12 +241,15 @@ class JsonlTail:
     is still being written (no newline yet) is left for next time. A complete line that is not
     JSON (a torn write: a rank killed mid-line, then a restart appending after it) is skipped
     with a warning naming the file and the line number; the lines around it are kept. So is a
-    record that lacks what readers need of it (``fields``; by default ``RECORD_FIELDS`` of the
-    folder the file is in: ``metrics/``, ``timeline/``)."""
+    record that lacks what readers need of it or holds it as another kind, naming the field
+    (``fields``; by default ``RECORD_FIELDS`` and ``OPTIONAL_FIELDS`` of the folder the file
+    is in: ``metrics/``, ``timeline/``)."""
 
     def __init__(self, path: Path, fields: dict | None = None):
         self.path, self.offset, self.lines = Path(path), 0, 0
-        self.fields = RECORD_FIELDS.get(self.path.parent.name, {}) if fields is None else fields
+        folder = self.path.parent.name
+        self.fields = RECORD_FIELDS.get(folder, {}) if fields is None else fields
+        self.optional = OPTIONAL_FIELDS.get(folder, {}) if fields is None else {}
 
     def read(self) -> list[dict]:
         try:
@@ -240,7 +276,8 @@ class JsonlTail:
                               + (", kept the whole record appended after it" if records else ""),
                               stacklevel=2)
             for record in records:
-                problem = record_problem(record, self.fields) if self.fields else None
+                problem = (record_problem(record, self.fields, self.optional) if self.fields
+                           else None)
                 if problem:
                     warnings.warn(f"{self.path}, line {self.lines}: a record with {problem}; "
                                   f"skipped it, the other records are shown", stacklevel=2)
