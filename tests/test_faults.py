@@ -3,6 +3,7 @@ the rank and shows why. Each test also checks (runs_dir fixture) that nothing is
 from __future__ import annotations
 
 import _thread
+import json
 import signal
 import subprocess
 import sys
@@ -129,3 +130,24 @@ def test_stop_ends_a_running_run(runs_dir):
     next(iter(run.stream(timeout=120)))
     run.stop()
     assert run.state == "stopped" and not processes_of(run.path)
+
+
+@pytest.mark.parametrize("reason, state", [(None, "preempted"), ("notice", "preempted"),
+                                           ("interrupted", "stopped"), ("timeout", "timeout"),
+                                           ("stopped", "stopped")])
+def test_ranks_that_stopped_as_preempted_make_the_run_read_preempted_only_on_a_notice(
+        tmp_path, reason, state):
+    """Checkpointing ranks take any SIGTERM for a scheduler's notice and report "preempted". A
+    run whose launcher stopped it for its own reasons (Ctrl-C, a closed output pipe, its
+    deadline) reads as what stopped it; only a notice passed on, or a run that ended on its own
+    (a SIGTERM reached torchrun from elsewhere), reads "preempted"."""
+    run_dir = tmp_path / "run"
+    (run_dir / "ranks").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"world_size": 2, "steps": 10}))
+    for r in (0, 1):
+        (run_dir / "ranks" / f"rank{r}.json").write_text(json.dumps(
+            {"rank": r, "ok": True, "preempted": True, "resume_from": 3}))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dlab.Run(run_dir, ended)._finish(reason)
+    assert json.loads((run_dir / "status.json").read_text())["state"] == state

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -113,3 +114,27 @@ def test_a_full_disk_at_the_json_path_is_named(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err == ("error: no space left on /dev/full: free some space there, or give --json "
                    "another path\n"), err
+
+
+TINY_FLAGS = ["--model-opt", "n_layer=1", "--model-opt", "d_model=32", "--model-opt", "n_head=2",
+              "--model-opt", "seq_len=32", "--batch-size", "8"]
+
+
+def test_a_closed_output_pipe_ends_the_command_quietly_and_the_run_reads_stopped(runs_dir):
+    """``python -m dlab run ... | head -1``: the reader of the output goes away (here before the
+    first line, so that the order is certain). The command ends as Unix tools do when SIGPIPE
+    ends them (status 141, nothing said, no traceback), and the run it stopped on the way out
+    reads "stopped"."""
+    cli = subprocess.Popen([sys.executable, "-m", "dlab", "run", "single", "-n", "1", "--steps",
+                            "1000000", "--runs-dir", str(runs_dir), *TINY_FLAGS],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cli.stdout.close()
+    try:
+        _, err = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 128 + signal.SIGPIPE and err == "", err
+    (run_dir,) = runs_dir.iterdir()
+    assert dlab.attach(run_dir).state == "stopped"

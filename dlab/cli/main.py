@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 
@@ -157,6 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Whoever read the output went away (``| head -1``): end quietly with the status of a
+        # process that SIGPIPE ended, as other Unix tools do (a run was stopped on the way out,
+        # ``Run.wait``, and reads "stopped"). Python ignores SIGPIPE, so the write raised;
+        # stdout goes to /dev/null so that its flush at exit does not raise again.
+        with contextlib.suppress(OSError, ValueError):  # a stdout that is no file has no flush to fail
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as e:
         if e.errno not in DISK_ERRORS:
             raise

@@ -28,6 +28,11 @@ _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
 PREEMPT_GRACE_S = 35.0
 #: seconds the launcher waits for the run directory to take the record of a run's end
 RECORD_WITHIN_S = 10.0
+#: the reason a run is stopped for when a scheduler's notice (SIGTERM) reached its launcher and
+#: was passed on to its ranks: only then, or when the run ended on its own, do ranks that
+#: stopped as preempted make the run read "preempted" (a run this process stopped for any other
+#: reason, a closed output pipe, Ctrl-C or a deadline, reads as what stopped it)
+NOTICE = "notice"
 
 
 def track(run: Run) -> Run:
@@ -90,7 +95,8 @@ class Run(RunView):
                 if self._a_rank_failed() and not self.config.get("max_restarts"):
                     self._give_torchrun(2.0)
         except BaseException as e:
-            self.stop(grace=self._grace_for(e), reason="interrupted")
+            grace = self._grace_for(e)
+            self.stop(grace=grace, reason=NOTICE if grace == PREEMPT_GRACE_S else "interrupted")
             raise
         finally:
             if bar:
@@ -172,12 +178,14 @@ class Run(RunView):
         failure = self.failure()
         reports = {r: self.dir.report(r) for r in self.dir.ranks()}
         ended_well = bool(reports) and all(rep and rep.get("ok") for rep in reports.values())
-        state = reason if reason and reason != "failed" else ("failed" if failure else (
-            preempted_or_ok(reports) if ended_well else "failed"))
-        if state == "interrupted" and failure is None:
-            state = "stopped"
-        if ended_well and preempted_or_ok(reports) == "preempted":
-            state = "preempted"  # stopped by a SIGTERM, the ranks checkpointed it as a notice
+        if ended_well and reason in (None, NOTICE) and preempted_or_ok(reports) == "preempted":
+            state = "preempted"  # a SIGTERM the ranks took as a notice and checkpointed
+        elif reason in (None, "failed"):
+            state = "failed" if failure or not ended_well else "ok"
+        elif reason in (NOTICE, "interrupted"):
+            state = "interrupted" if failure else "stopped"
+        else:
+            state = reason
         exit_codes = failure.exit_codes if failure else {r: 0 for r in self.dir.ranks()}
         self._ended_as = state
         write_json(self.dir / "status.json", {
