@@ -6,7 +6,9 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from helpers import TINY_GPT, assert_same_training, losses
@@ -14,6 +16,8 @@ from helpers import TINY_GPT, assert_same_training, losses
 import dlab
 from dlab.core.rundir import RunDir
 from dlab.procs.process import free_port
+
+NOTEBOOK_00 = Path(__file__).resolve().parent.parent / "notebooks" / "00_start_here.ipynb"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -113,3 +117,37 @@ def test_torchrun_leaves_nothing_in_the_temp_dir(runs_dir, tmp_path, monkeypatch
     assert run.state == "ok"
     assert not list(temp.glob("torchelastic_*")), [p.name for p in temp.iterdir()]
     assert (run.path / "torchelastic").is_dir()
+
+
+@pytest.fixture
+def temp_dir(tmp_path, monkeypatch):
+    """A temp dir of its own for this test and every process it starts (torchrun's agent makes
+    its ``torchelastic_*`` folders there when not told where)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    return temp
+
+
+def test_notebook_00s_own_torchrun_leaves_nothing_in_the_temp_dir(temp_dir, tmp_path, monkeypatch):
+    """The cell of notebook 00 that starts torchrun as a cluster would, run as it is written
+    (the dashboard it opens replaced by nothing: the cell then waits for torchrun itself)."""
+    from dlab.ui import dashboard
+    cell = next(c for c in json.loads(NOTEBOOK_00.read_text())["cells"]
+                if "torch.distributed.run" in "".join(c["source"]) and c["cell_type"] == "code")
+    monkeypatch.setattr(dashboard, "watch", lambda run: run)
+    monkeypatch.chdir(tmp_path)
+    scope = {"sys": sys, "dlab": dlab}
+    exec("".join(cell["source"]), scope)  # noqa: S102 - the notebook's own cell
+    assert scope["agent"].returncode == 0 and dlab.attach(scope["run_dir"]).state == "ok"
+    assert not list(temp_dir.glob("torchelastic_*")), [p.name for p in temp_dir.iterdir()]
+
+
+def test_bench_launchs_plain_torchrun_leaves_nothing_in_the_temp_dir(temp_dir, tmp_path,
+                                                                    monkeypatch):
+    from dlab.bench import launch as bench_launch
+    monkeypatch.setattr(bench_launch, "WORK", {"steps": 1, "batch_size": 8, "model_options": {
+        "n_layer": 1, "d_model": 32, "n_head": 2}})  # the command is what is tested, not the work
+    bench_launch._torchrun(1, tmp_path)
+    assert not list(temp_dir.glob("torchelastic_*")), [p.name for p in temp_dir.iterdir()]
