@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,13 +22,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TINY_GPT
 
 import dlab
+from dlab.analysis.diagnose import find_failure
 from dlab.core import rundir
 from dlab.core.config import RunConfig
 from dlab.core.rundir import DiskError, read_json, reserve, write_json
 from dlab.procs import run as run_module
+from dlab.runtime import checkpoint
 
 PACKAGE_ROOT = str(Path(dlab.__file__).resolve().parent.parent)
 
@@ -128,8 +132,131 @@ def test_a_run_records_its_end_when_the_disk_fills_before_it(runs_dir, monkeypat
     assert dlab.attach(run.path).state == "ok" and not _leftovers(run.path)
 
 
+class _Replica:
+    """A strategy's checkpoint state, as a replica holds it: one tensor of 400 kB."""
+    replicated = True
+
+    def checkpoint_state(self):
+        return {"params": {"w": checkpoint.piece(torch.arange(100_000.0))}, "optim": {},
+                "hparams": []}
+
+
+class _FillingFile:
+    """A file on a disk with ``room`` bytes left: a write past them raises ENOSPC, as the OS
+    does, after writing what fitted."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            self.file.write(bytes(data)[:self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_checkpoint_that_fills_the_disk_is_named_and_leaves_no_partial_one(
+        tmp_path, monkeypatch, asynchronous):
+    """torch.save's own writer turns the disk's ENOSPC into "unexpected pos ..." (no path, no
+    errno): the error must name the file and say what to do, and the partial checkpoint (what
+    filled the disk) must go; the previous complete one stays."""
+    root = tmp_path / "checkpoints"
+    saver = checkpoint.Checkpointer(root, 0, 1, keep=2, asynchronous=asynchronous)
+    saver.save(_Replica(), 1)
+    saver.wait()
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        file = open(path, mode, *args, **kwargs)
+        return _FillingFile(file, 4096) if "w" in mode else file
+
+    monkeypatch.setattr(checkpoint, "open", filling_open, raising=False)
+    with pytest.raises(DiskError) as info:
+        saver.save(_Replica(), 2)
+        saver.wait()
+    assert str(info.value) == (f"no space left on {root}/.partial-step-00000002/rank0.pt: free "
+                               f"some space there, or keep fewer checkpoints (keep_checkpoints=2), "
+                               f"or write runs elsewhere (runs_dir, --runs-dir)")
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+
+
+def test_the_launcher_removes_a_partial_checkpoint_once_the_run_has_ended(tmp_path):
+    """A rank killed mid-save (or stopped at the teardown after a peer's disk error) cannot
+    clean up: once every process of the run is gone, the launcher does."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / ".partial-step-00000004").mkdir(parents=True)
+    (run_dir / "checkpoints" / ".partial-step-00000004" / "rank1.pt").write_bytes(b"x" * 1000)
+    (run_dir / "checkpoints" / "step-00000002").mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"world_size": 2, "steps": 10}))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dlab.Run(run_dir, ended)._finish("stopped")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def test_a_rank_that_finds_the_disk_full_at_its_start_says_so_in_its_report(tmp_path,
+                                                                            monkeypatch):
+    """Its log cannot be written either: without the report the run read only "failed before
+    any rank reported"."""
+    real = rundir._write_new
+
+    def full_after_reserve(path, text):
+        (real if path.name == "rank0.json" and text.isspace() else _full)(path, text)
+
+    run = rundir.RunDir(tmp_path / "run")
+    run.path.mkdir()
+    (run.path / "config.json").write_text(json.dumps({"world_size": 1}))
+    monkeypatch.setattr(rundir, "_write_new", full_after_reserve)
+    with pytest.raises(DiskError):
+        rundir.RankWriter(run, 0)
+    said = f"no space left on {run.path}/ranks/rank0.pid: free some space there"
+    assert run.report(0)["exception"] == "DiskError" and run.report(0)["message"].startswith(said)
+    failure = dlab.attach(run.path).failure()
+    assert str(failure).startswith(f"rank 0 of 1 failed: DiskError: {said}"), str(failure)
+
+
+class _Usage:
+    def __init__(self, free: int):
+        self.free = free
+
+
+def test_a_runs_dir_without_room_for_a_runs_records_is_refused_before_it_starts(
+        runs_dir, monkeypatch):
+    """Less free space than a run sets aside to record its end (its status, each rank's
+    report): refused before anything starts, saying how much is free."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _Usage(100 * 1024))
+    with pytest.raises(DiskError, match=rf"^no space left on {runs_dir} \(100 KiB free\): "
+                                        rf"free some space there"):
+        dlab.launch("torch-ddp", 2, runs_dir=runs_dir, **TINY_GPT)
+    assert not any(runs_dir.iterdir())
+
+
+def test_a_run_that_failed_before_any_rank_reported_on_a_full_disk_says_so(tmp_path,
+                                                                           monkeypatch):
+    run = rundir.RunDir(tmp_path / "run")
+    run.path.mkdir()
+    (run.path / "config.json").write_text(json.dumps({"world_size": 2}))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _Usage(3 * 1024))
+    text = str(find_failure(run, torchrun_exit=1))
+    assert text.startswith("the run failed before any rank reported (torchrun exit code 1)\n"
+                           f"hint: the file system of {run.path} has 3 KiB free: a full disk is "
+                           f"the likely cause"), text
+
+
 RANK_ON_A_FULL_DISK = """
 import errno, sys
+from dlab.analysis.diagnose import find_failure
 from dlab.core import rundir
 from dlab.runtime import rank
 
@@ -174,6 +301,7 @@ def test_a_rank_on_a_full_disk_reports_which_file_and_exits(tmp_path):
 
 RANK_ON_A_HUNG_DISK = """
 import fcntl, os, sys, threading, time
+from dlab.analysis.diagnose import find_failure
 from dlab.core import rundir
 from dlab.runtime.watchdog import StepWatchdog
 

@@ -71,7 +71,8 @@ def test_two_torchrun_nodes_write_one_run_directory(tmp_path):
     run_dir, port = tmp_path / "two-nodes", free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=rehearsal",
-           f"--log-dir={run_dir / 'torchelastic'}", "-m", "dlab.worker", "--run-dir", str(run_dir), "torch-ddp", "--steps", "3",
+           f"--log-dir={run_dir / 'torchelastic'}", "-m", "dlab.worker", "--run-dir", str(run_dir),
+           "torch-ddp", "--steps", "3",
            "--model-opt", "n_layer=1", "--model-opt", "d_model=32", "--model-opt", "n_head=2"]
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
     outputs = [a.communicate(timeout=120)[0].decode() for a in agents]

@@ -14,9 +14,10 @@ is chosen in this order:
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 
-from dlab.core.rundir import RunDir
+from dlab.core.rundir import ELSEWHERE, RESERVED_BYTES, RunDir
 
 PEER_GONE = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
              "connection refused", "socket", "peer", "aborted")
@@ -106,7 +107,8 @@ def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | N
     if not raised and not silent:
         if torchrun_exit and not any(reports.values()):
             return RunFailed(run, None, exit_code=torchrun_exit, exit_codes=exit_codes,
-                             log_tail=_tail(_read(run / "torchrun.log"), 15))
+                             log_tail=_tail(_read(run / "torchrun.log"), 15),
+                             hint=_full_disk(run))
         return None
 
     own = sorted((rep.get("time", 0.0), r) for r, rep in raised.items() if own_error(rep))
@@ -128,6 +130,20 @@ def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | N
                          hint=hint, exit_codes=exit_codes, unreported=stopped)
     return RunFailed(run, r, step=_last_step(run, r), exit_code=listed[r], exit_codes=exit_codes,
                      log_tail=_tail(run.log(r), 8))
+
+
+def _full_disk(run: RunDir) -> str:
+    """Why nothing reported, when the disk is full: not even the ranks' logs or torchrun's
+    could be written then, and the free space is the one thing left to read."""
+    try:
+        free = shutil.disk_usage(run.path).free
+    except OSError:
+        return ""
+    if free >= RESERVED_BYTES * (run.world_size() + 1):
+        return ""
+    return (f"the file system of {run.path} has {free // 1024} KiB free: a full disk is the "
+            f"likely cause (no rank could write its log or report); free some space there, or "
+            f"{ELSEWHERE}")
 
 
 def _read(path) -> str:

@@ -438,12 +438,22 @@ class RankWriter:
 
     def __init__(self, run: RunDir, rank: int):
         self.run, self.rank = run, rank
-        for sub in ("metrics", "timeline", "ranks", "logs"):
+        for sub in ("ranks", "metrics", "timeline", "logs"):
             (run.path / sub).mkdir(exist_ok=True)
-        self._metrics = open(run.metrics_file(rank), "a")
-        self._timeline = open(run.timeline_file(rank), "a")
         reserve(run.report_file(rank))
-        write_json(run.pid_file(rank), {"pid": os.getpid(), "host": socket.gethostname()})
+        try:
+            self._metrics = open(run.metrics_file(rank), "a")
+            self._timeline = open(run.timeline_file(rank), "a")
+            write_json(run.pid_file(rank), {"pid": os.getpid(), "host": socket.gethostname()})
+        except OSError as e:
+            # A disk that takes nothing more (its log cannot be written either): said in the
+            # space set aside for the report, the one record this rank can still leave, so the
+            # run does not read "failed before any rank reported".
+            error = disk_error(e, e.filename or run.pid_file(rank))
+            with contextlib.suppress(OSError):
+                self.report(ok=False, step=None, exception=type(error).__name__,
+                            message=str(error), traceback="")
+            raise error from None
 
     def metric(self, record: dict) -> None:
         self._append(self._metrics, json.dumps(record) + "\n")

@@ -20,6 +20,7 @@ from pathlib import Path
 from dlab.analysis.reader import RunView, open_run
 from dlab.core.rundir import preempted_or_ok, within, write_json
 from dlab.procs.process import kill_tree
+from dlab.runtime.checkpoint import discard_partial
 from dlab.ui.plots import plot
 
 _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
@@ -192,6 +193,8 @@ class Run(RunView):
             "state": state, "torchrun_exit": self.proc.returncode, "exit_codes": exit_codes,
             "failed_rank": failure.rank if failure else None, "ended": time.time(),
             "ranks": reports})
+        # every process of the run is gone: a checkpoint still partial never will be whole
+        discard_partial(self.dir / "checkpoints")
 
 
 class _Progress:
