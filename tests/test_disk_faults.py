@@ -256,7 +256,6 @@ def test_a_run_that_failed_before_any_rank_reported_on_a_full_disk_says_so(tmp_p
 
 RANK_ON_A_FULL_DISK = """
 import errno, sys
-from dlab.analysis.diagnose import find_failure
 from dlab.core import rundir
 from dlab.runtime import rank
 
@@ -301,7 +300,6 @@ def test_a_rank_on_a_full_disk_reports_which_file_and_exits(tmp_path):
 
 RANK_ON_A_HUNG_DISK = """
 import fcntl, os, sys, threading, time
-from dlab.analysis.diagnose import find_failure
 from dlab.core import rundir
 from dlab.runtime.watchdog import StepWatchdog
 
