@@ -414,6 +414,13 @@ class RunDir:
             return {"state": preempted_or_ok(reports), "ranks": reports}
         return {"state": "lost" if self._processes_gone() else "running", "ranks": reports}
 
+    def rank_gone(self, rank: int) -> bool:
+        """True when ``rank`` wrote its pid file on this host and that process is gone (killed,
+        or exited); False while it runs, and where this host cannot tell."""
+        known = read_json_object(self.pid_file(rank))
+        return bool(known) and known.get("host") == socket.gethostname() and not self._alive(
+            known.get("pid"))
+
     def _processes_gone(self) -> bool:
         here = socket.gethostname()
         known = [read_json_object(self.path / "launch.json")]

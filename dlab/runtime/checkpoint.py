@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from dlab.comm import wire
 from dlab.comm.host import host_copies_done, to_host
-from dlab.core.rundir import ELSEWHERE, DiskError, disk_error
+from dlab.core.rundir import ELSEWHERE, DiskError, RunDir, disk_error
 
 # /3 added pieces that are runs over a tensor-parallel slice ("slice"); a /2 reader would have
 # ignored the key and assembled the wrong tensor, so the version moved. /2 checkpoints (no
@@ -226,11 +226,20 @@ class Checkpointer:
             return
         files = {}
         deadline = time.monotonic() + 600
+        run = RunDir(self.root.parent)  # where the writers' pid files are, in a run
         for r in writers:  # the other writers' files, announced through the file system
             done = partial / f"rank{r}.done"
+            polls = 0
             while not done.exists():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {r} never finished writing {partial}")
+                # a writer killed midway never announces: say so at once (worded as a peer
+                # gone, a symptom: the killed rank is the cause), not after the deadline, and
+                # not by ignoring the teardown's SIGTERM (this rank would take it for a notice)
+                if polls % 50 == 0 and run.rank_gone(r):
+                    raise RuntimeError(f"rank {r}, a peer, ended before it finished writing its "
+                                       f"part of {partial}")
+                polls += 1
                 time.sleep(0.01)
             files.update(json.loads(done.read_text()))
         manifest = {"format": FORMAT, "step": step, "kind": self.kind, "world_size": self.world_size,
