@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from dlab.analysis.diagnose import find_failure
 from dlab.core import rundir
 from dlab.core.config import RunConfig
 from dlab.core.rundir import DiskError, read_json, reserve, write_json
-from dlab.procs import run as run_module
 from dlab.runtime import checkpoint
 
 PACKAGE_ROOT = str(Path(dlab.__file__).resolve().parent.parent)
@@ -345,31 +343,54 @@ def test_a_step_stuck_on_a_hung_disk_still_ends_at_its_deadline(tmp_path):
     assert time.monotonic() - stuck < deadline + LAST_WORDS_S + 5, "it waited on the disk"
 
 
-def test_the_launchers_deadline_holds_while_the_record_of_the_end_blocks(runs_dir, monkeypatch):
-    release = threading.Event()
-    real = rundir._write_new
+LAUNCHER_ON_A_HUNG_DISK = """
+import sys, time
+from pathlib import Path
+from dlab.cli.main import main
+from dlab.core import rundir
+from dlab.procs import run
 
-    def status_hangs(path, text):
-        if path.name.startswith(".status.json"):
-            release.wait()
-        real(path, text)
+runs, thawed = sys.argv[1], Path(sys.argv[2])
+real = rundir._write_new
 
-    monkeypatch.setattr(rundir, "_write_new", status_hangs)
-    monkeypatch.setattr(run_module, "RECORD_WITHIN_S", 1.0)
-    run = dlab.launch("single", 1, runs_dir=runs_dir, **{**TINY_GPT, "steps": 10**6})
-    # the disk answers again after 30 s: a launcher that waits for it fails the time check
-    # below, rather than hanging the test
-    threading.Timer(30, release.set).start()
+
+def status_hangs(path, text):
+    if path.name.startswith(".status.json"):
+        open(path, "w").close()  # the file is made; its bytes wait for the disk to answer
+        while not thawed.exists():
+            time.sleep(0.05)
+    real(path, text)
+
+
+rundir._write_new, run.RECORD_WITHIN_S = status_hangs, 1.0
+sys.exit(main(["run", "single", "-n", "1", "--steps", "1000000", "--deadline", "4",
+               "--runs-dir", runs, "--model-opt", "n_layer=1", "--model-opt", "d_model=32",
+               "--model-opt", "n_head=2", "--model-opt", "seq_len=32"]))
+"""
+
+
+def test_the_launchers_deadline_holds_while_the_record_of_the_end_blocks(runs_dir, tmp_path):
+    """The record of the run's end blocks on the disk: the command still ends at its deadline,
+    and, once the disk answers, the record goes in (the run reads "timeout", not "lost") and
+    the write it had begun leaves no temporary file."""
+    thawed = tmp_path / "thawed"
+    cli = subprocess.Popen([sys.executable, "-c", LAUNCHER_ON_A_HUNG_DISK, str(runs_dir),
+                            str(thawed)], env={**os.environ, "PYTHONPATH": PACKAGE_ROOT},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        next(iter(run.stream(timeout=120)))  # training
-        start = time.monotonic()
-        with pytest.warns(UserWarning, match="did not answer within 1 s"), \
-                pytest.raises(TimeoutError, match="did not finish within 2"):
-            run.wait(timeout=2)
-        assert time.monotonic() - start < 2 + 2 + 1 + 5  # deadline, stop's grace, the record
+        _, err = cli.communicate(timeout=300)  # the disk answers only after the command ended
     finally:
-        release.set()
-    deadline = time.monotonic() + 10
-    while read_json(run.path / "status.json") is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # the record goes in once the disk answers again
-    assert read_json(run.path / "status.json")["state"] == "timeout"
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        thawed.touch()
+    assert cli.returncode == 1 and "did not finish within 4" in err, err
+    assert "did not answer within 1 s" in err and "Traceback" not in err, err
+    (run_dir,) = runs_dir.iterdir()
+    deadline = time.monotonic() + 60
+    while read_json(run_dir / "status.json") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert read_json(run_dir / "status.json")["state"] == "timeout"
+    while _leftovers(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _leftovers(run_dir) and dlab.attach(run_dir).state == "timeout"

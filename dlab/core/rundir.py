@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import json
 import os
+import select
 import socket
 import threading
 import time
@@ -156,6 +158,72 @@ def within(seconds: float, fn, *args) -> bool:
     if outcome[0] is not None:
         raise outcome[0]
     return True
+
+
+def aside(seconds: float, fn, *args, then: Callable[[], None] | None = None) -> bool:
+    """Call ``fn(*args)`` in a process of its own and wait at most ``seconds``: True when it
+    returned (an error it raised raised here, as ``OSError`` when it was one), False when it
+    is still blocked; it then finishes on its own, however late, and ends. ``then()`` runs in
+    that process after ``fn`` returned well, once the caller has been told.
+
+    A process, not a thread (``within``): a write to a frozen file system (``fsfreeze``, a
+    disk or network file system that stopped answering) can sleep where no signal reaches it,
+    and a thread asleep there holds its whole process's exit until the disk answers; the
+    process that writes here holds nothing of its caller's. It is forked twice (so that no
+    zombie is left to whoever called), leaves the caller's session and files (a pipe its
+    caller writes to closes when the caller exits), and ends with ``os._exit``."""
+    if not hasattr(os, "fork"):
+        return within(seconds, fn, *args)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the fork
+        _aside_child(read, write, fn, args, then)
+    os.close(write)
+    os.waitpid(child, 0)  # it forks the worker and ends at once
+    try:
+        ready, _, _ = select.select([read], [], [], seconds)
+        outcome = os.read(read, 4096) if ready else None
+    finally:
+        os.close(read)
+    if outcome is None:
+        return False
+    kind, _, message = outcome.decode(errors="replace").partition(":")
+    if kind == "ok":
+        return True
+    code, _, text = message.partition(":")
+    if kind == "OSError":
+        raise OSError(int(code), text)
+    raise RuntimeError(f"{kind}: {text}")
+
+
+def _aside_child(read: int, write: int, fn, args, then) -> None:  # pragma: no cover - a fork
+    """The middle process of ``aside``: fork the worker and end; the worker calls ``fn``, says
+    how it went on ``write``, then calls ``then``."""
+    try:
+        gc.disable()  # a finalizer of the caller's objects would close a descriptor reused here
+        os.close(read)
+        if os.fork():
+            os._exit(0)
+        os.setsid()  # a Ctrl-C to the caller's terminal, or a signal to its group, is not for it
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, write)
+        os.closerange(write + 1, os.sysconf("SC_OPEN_MAX"))
+        try:
+            fn(*args)
+            said = "ok:"
+        except OSError as e:
+            said = f"OSError:{e.errno or 0}:{e}"
+        except BaseException as e:  # noqa: BLE001 - said to the caller
+            said = f"{type(e).__name__}:0:{e}"
+        with contextlib.suppress(OSError):
+            os.write(write, said.encode()[:4000])  # under PIPE_BUF: one write, read whole
+            os.close(write)
+        if then is not None and said == "ok:":
+            then()
+    finally:
+        os._exit(0)
 
 
 def read_json(path: Path, default=None):
@@ -421,6 +489,20 @@ class RunDir:
         return bool(known) and known.get("host") == socket.gethostname() and not self._alive(
             known.get("pid"))
 
+    def discard_temporaries(self, wait_s: float = 30.0) -> None:
+        """Remove what writes that never finished left: ``.NAME.PID.tmp`` (``write_json``)
+        whose writer is gone, once it is (a rank stuck in a write to a hung file system dies of
+        its SIGKILL only when the disk answers), waiting at most ``wait_s`` for the writers."""
+        deadline = time.monotonic() + wait_s
+        for tmp in self.path.rglob(".*.tmp"):
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if not pid.isdigit():
+                continue
+            while _running(int(pid)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not _running(int(pid)):
+                tmp.unlink(missing_ok=True)
+
     def _processes_gone(self) -> bool:
         here = socket.gethostname()
         known = [read_json_object(self.path / "launch.json")]
@@ -437,6 +519,13 @@ class RunDir:
                     and self.path.resolve().name in " ".join(p.cmdline()))
         except (psutil.Error, TypeError, ValueError):
             return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class RankWriter:

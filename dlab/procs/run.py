@@ -17,8 +17,9 @@ import warnings
 import weakref
 from pathlib import Path
 
+from dlab.analysis.diagnose import find_failure
 from dlab.analysis.reader import RunView, open_run
-from dlab.core.rundir import preempted_or_ok, within, write_json
+from dlab.core.rundir import aside, preempted_or_ok, write_json
 from dlab.procs.process import kill_tree
 from dlab.runtime.checkpoint import discard_partial
 from dlab.ui.plots import plot
@@ -157,26 +158,32 @@ class Run(RunView):
         self._finish(reason)
 
     def _finish(self, reason: str | None = None) -> None:
-        """Record how the run ended in ``status.json``, once. The record is made in a thread
-        given ``RECORD_WITHIN_S``: a hung file system must not hold the caller past its
-        deadline (the run then reads "lost" until its directory answers again), and a full
-        disk is said in a warning, not raised over the run's own outcome."""
+        """Record how the run ended in ``status.json``, once. The record is made by a process
+        of its own (``aside``) given ``RECORD_WITHIN_S``: a hung file system must not hold the
+        caller past its deadline, nor its exit after (a thread stuck in a write to a frozen
+        file system would); that process writes the record, and removes what the run's
+        unfinished writes left, when the directory answers again (until then the run reads
+        "running": its ranks, stuck in the same writes, die of their SIGKILL only then). A
+        full disk is said in a warning, not raised over the run's own outcome."""
         if self._ended_as is not None or self.proc is None:
             return
         self._ended_as = reason or "ended"  # never finished twice, whatever the record does
         _LIVE.discard(self)
         try:
-            if within(RECORD_WITHIN_S, self._record, reason):
+            # once recorded: a write still half done (a rank's, on a hung disk) never will be
+            # torchrun's status is read here: the recording process is no parent of torchrun's
+            if aside(RECORD_WITHIN_S, self._record, reason, self.proc.poll(),
+                     then=self.dir.discard_temporaries):
                 return
             why = (f"its directory did not answer within {RECORD_WITHIN_S:g} s (a hung file "
-                   f"system?)")
+                   f"system?); it will be once the directory answers")
         except OSError as e:
             why = str(e)
         warnings.warn(f"the end of run {self.path} ({self._ended_as}) is not recorded in "
                       f"status.json: {why}", stacklevel=3)
 
-    def _record(self, reason: str | None) -> None:
-        failure = self.failure()
+    def _record(self, reason: str | None, torchrun_exit: int | None) -> None:
+        failure = find_failure(self.dir, torchrun_exit)
         reports = {r: self.dir.report(r) for r in self.dir.ranks()}
         ended_well = bool(reports) and all(rep and rep.get("ok") for rep in reports.values())
         if ended_well and reason in (None, NOTICE) and preempted_or_ok(reports) == "preempted":
@@ -190,7 +197,7 @@ class Run(RunView):
         exit_codes = failure.exit_codes if failure else {r: 0 for r in self.dir.ranks()}
         self._ended_as = state
         write_json(self.dir / "status.json", {
-            "state": state, "torchrun_exit": self.proc.returncode, "exit_codes": exit_codes,
+            "state": state, "torchrun_exit": torchrun_exit, "exit_codes": exit_codes,
             "failed_rank": failure.rank if failure else None, "ended": time.time(),
             "ranks": reports})
         # every process of the run is gone: a checkpoint still partial never will be whole
