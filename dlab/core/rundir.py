@@ -187,6 +187,8 @@ def aside(seconds: float, fn, *args, then: Callable[[], None] | None = None) -> 
         os.close(read)
     if outcome is None:
         return False
+    if not outcome:
+        raise RuntimeError("the process that did it ended without saying how it went")
     kind, _, message = outcome.decode(errors="replace").partition(":")
     if kind == "ok":
         return True

@@ -170,14 +170,15 @@ class Run(RunView):
         self._ended_as = reason or "ended"  # never finished twice, whatever the record does
         _LIVE.discard(self)
         try:
-            # once recorded: a write still half done (a rank's, on a hung disk) never will be
-            # torchrun's status is read here: the recording process is no parent of torchrun's
+            # torchrun's exit status is read here, by its parent (the recording process is
+            # not); once the end is recorded, what writes left half done (a rank's, stuck on a
+            # hung disk when it was killed) goes
             if aside(RECORD_WITHIN_S, self._record, reason, self.proc.poll(),
                      then=self.dir.discard_temporaries):
                 return
             why = (f"its directory did not answer within {RECORD_WITHIN_S:g} s (a hung file "
                    f"system?); it will be once the directory answers")
-        except OSError as e:
+        except (OSError, RuntimeError) as e:
             why = str(e)
         warnings.warn(f"the end of run {self.path} ({self._ended_as}) is not recorded in "
                       f"status.json: {why}", stacklevel=3)
