@@ -76,7 +76,10 @@ def test_two_torchrun_nodes_write_one_run_directory(tmp_path):
            "--model-opt", "n_layer=1", "--model-opt", "d_model=32", "--model-opt", "n_head=2"]
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
     outputs = [a.communicate(timeout=120)[0].decode() for a in agents]
-    assert all(a.returncode == 0 for a in agents), outputs
+    if any(a.returncode for a in agents):  # shown in full with the failure (an assertion's is cut)
+        print(*(f"--- agent {i}, exit {a.returncode}:\n{out}" for i, (a, out) in
+                enumerate(zip(agents, outputs))), sep="\n")
+    assert all(a.returncode == 0 for a in agents), [a.returncode for a in agents]
     run = dlab.attach(run_dir)
     assert run.world_size == 2 and run.state == "ok"
     assert [len(run.metrics(r)) for r in (0, 1)] == [3, 3]
