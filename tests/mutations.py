@@ -549,6 +549,15 @@ MUTATIONS = [
           "    return 2 * layer\n"),),
         ("tests/test_plan_sharding.py::test_memory_follows_what_the_stack_keeps",),
     ),
+    Mutation(
+        "quota-said-full",
+        "the disk checks: a quota error (EDQUOT) reported as a full disk (ENOSPC)",
+        "dlab/core/rundir.py",
+        (("        return DiskError(path, error.errno, instead)\n",
+          "        return DiskError(path, errno.ENOSPC if error.errno in FULL else error.errno, "
+          "instead)\n"),),
+        ("tests/test_disk_faults.py::test_each_disk_error_is_said_in_its_own_words_naming_the_path",),
+    ),
 ]
 
 

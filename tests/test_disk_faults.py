@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TINY_GPT
 
 import dlab
+from dlab.analysis.diagnose import find_failure
 from dlab.core import rundir
 from dlab.core.config import RunConfig
-from dlab.core.rundir import DiskFull, read_json, reserve, write_json
-from dlab.procs import run as run_module
+from dlab.core.rundir import DiskError, read_json, reserve, write_json
+from dlab.runtime import checkpoint
 
 PACKAGE_ROOT = str(Path(dlab.__file__).resolve().parent.parent)
 
@@ -45,9 +48,47 @@ def _leftovers(root: Path) -> list[str]:
 def test_a_full_disk_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch):
     monkeypatch.setattr(rundir, "_write_new", _full)
     target = tmp_path / "launch.json"
-    with pytest.raises(DiskFull, match=rf"^no space left on {tmp_path}/launch\.json: free some"):
+    with pytest.raises(DiskError, match=rf"^no space left on {tmp_path}/launch\.json: free some"):
         write_json(target, {"a": 1})
     assert not target.exists() and not _leftovers(tmp_path)
+
+
+#: each errno the disk checks tell apart, and how its message must begin (written here, apart
+#: from dlab.core.rundir.DISK_ERRORS): a quota is not a full disk, nor a read-only or failing one
+SAID = {errno.ENOSPC: "no space left on {path}: free some space there",
+        errno.EDQUOT: "disk quota exceeded on {path}: your quota on that file system is used up",
+        errno.EROFS: "{path} is on a read-only file system: write runs elsewhere",
+        errno.EIO: "an input/output error writing {path}: the disk or the network file system"}
+
+
+def test_the_disk_errors_told_apart_are_the_ones_tested():
+    assert set(rundir.DISK_ERRORS) == set(SAID)
+
+
+@pytest.mark.parametrize("code", sorted(SAID), ids=lambda code: errno.errorcode[code])
+def test_each_disk_error_is_said_in_its_own_words_naming_the_path(code, tmp_path, monkeypatch,
+                                                                  capsys):
+    def refused(path, text):
+        with open(path, "w") as f:
+            f.write(text[:10])
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(rundir, "_write_new", refused)
+    target = tmp_path / "launch.json"
+    with pytest.raises(DiskError) as info:
+        write_json(target, {"a": 1})
+    assert info.value.errno == code and str(info.value).startswith(SAID[code].format(path=target))
+    assert not target.exists() and not _leftovers(tmp_path)
+    # the command line says it in one line too, naming the file it could not write
+    runs = tmp_path / "runs"
+    monkeypatch.setattr(RunConfig, "save", lambda self, path: refused(path, "{}"))
+    from dlab.cli.main import main
+    assert main(["run", "single", "-n", "1", "--steps", "1", "--runs-dir", str(runs)]) == 1
+    err = capsys.readouterr().err
+    before, after = SAID[code].split("{path}")
+    assert err.startswith(f"error: {before}{runs}/") and after in err, err  # the run's directory
+    assert err.count("\n") == 1, err
+    assert not any(runs.iterdir()), "a half-set-up run directory was left"
 
 
 def test_the_reserved_record_is_written_in_place_on_a_full_disk(tmp_path, monkeypatch):
@@ -65,7 +106,7 @@ def test_a_run_that_cannot_be_set_up_is_removed_and_the_cli_says_why(runs_dir, m
         _full(path, json.dumps(self.to_dict()))
 
     monkeypatch.setattr(RunConfig, "save", save)
-    with pytest.raises(DiskFull, match=rf"no space left on {runs_dir}/"):
+    with pytest.raises(DiskError, match=rf"no space left on {runs_dir}/"):
         dlab.launch("single", 1, runs_dir=runs_dir, **TINY_GPT)
     assert not any(runs_dir.iterdir()), "a half-set-up run directory was left"
     from dlab.cli.main import main
@@ -87,6 +128,128 @@ def test_a_run_records_its_end_when_the_disk_fills_before_it(runs_dir, monkeypat
     run = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, **{**TINY_GPT, "steps": 1})
     assert json.loads((run.path / "status.json").read_text())["state"] == "ok"
     assert dlab.attach(run.path).state == "ok" and not _leftovers(run.path)
+
+
+class _Replica:
+    """A strategy's checkpoint state, as a replica holds it: one tensor of 400 kB."""
+    replicated = True
+
+    def checkpoint_state(self):
+        return {"params": {"w": checkpoint.piece(torch.arange(100_000.0))}, "optim": {},
+                "hparams": []}
+
+
+class _FillingFile:
+    """A file on a disk with ``room`` bytes left: a write past them raises ENOSPC, as the OS
+    does, after writing what fitted."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            self.file.write(bytes(data)[:self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_checkpoint_that_fills_the_disk_is_named_and_leaves_no_partial_one(
+        tmp_path, monkeypatch, asynchronous):
+    """torch.save's own writer turns the disk's ENOSPC into "unexpected pos ..." (no path, no
+    errno): the error must name the file and say what to do, and the partial checkpoint (what
+    filled the disk) must go; the previous complete one stays."""
+    root = tmp_path / "checkpoints"
+    saver = checkpoint.Checkpointer(root, 0, 1, keep=2, asynchronous=asynchronous)
+    saver.save(_Replica(), 1)
+    saver.wait()
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        file = open(path, mode, *args, **kwargs)
+        return _FillingFile(file, 4096) if "w" in mode else file
+
+    monkeypatch.setattr(checkpoint, "open", filling_open, raising=False)
+    with pytest.raises(DiskError) as info:
+        saver.save(_Replica(), 2)
+        saver.wait()
+    assert str(info.value) == (f"no space left on {root}/.partial-step-00000002/rank0.pt: free "
+                               f"some space there, or keep fewer checkpoints (keep_checkpoints=2), "
+                               f"or write runs elsewhere (runs_dir, --runs-dir)")
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+
+
+def test_the_launcher_removes_a_partial_checkpoint_once_the_run_has_ended(tmp_path):
+    """A rank killed mid-save (or stopped at the teardown after a peer's disk error) cannot
+    clean up: once every process of the run is gone, the launcher does."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / ".partial-step-00000004").mkdir(parents=True)
+    (run_dir / "checkpoints" / ".partial-step-00000004" / "rank1.pt").write_bytes(b"x" * 1000)
+    (run_dir / "checkpoints" / "step-00000002").mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"world_size": 2, "steps": 10}))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dlab.Run(run_dir, ended)._finish("stopped")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def test_a_rank_that_finds_the_disk_full_at_its_start_says_so_in_its_report(tmp_path,
+                                                                            monkeypatch):
+    """Its log cannot be written either: without the report the run read only "failed before
+    any rank reported"."""
+    real = rundir._write_new
+
+    def full_after_reserve(path, text):
+        (real if path.name == "rank0.json" and text.isspace() else _full)(path, text)
+
+    run = rundir.RunDir(tmp_path / "run")
+    run.path.mkdir()
+    (run.path / "config.json").write_text(json.dumps({"world_size": 1}))
+    monkeypatch.setattr(rundir, "_write_new", full_after_reserve)
+    with pytest.raises(DiskError):
+        rundir.RankWriter(run, 0)
+    said = f"no space left on {run.path}/ranks/rank0.pid: free some space there"
+    assert run.report(0)["exception"] == "DiskError" and run.report(0)["message"].startswith(said)
+    failure = dlab.attach(run.path).failure()
+    assert str(failure).startswith(f"rank 0 of 1 failed: DiskError: {said}"), str(failure)
+
+
+class _Usage:
+    def __init__(self, free: int):
+        self.free = free
+
+
+def test_a_runs_dir_without_room_for_a_runs_records_is_refused_before_it_starts(
+        runs_dir, monkeypatch):
+    """Less free space than a run sets aside to record its end (its status, each rank's
+    report): refused before anything starts, saying how much is free."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _Usage(100 * 1024))
+    with pytest.raises(DiskError, match=rf"^no space left on {runs_dir} \(100 KiB free\): "
+                                        rf"free some space there"):
+        dlab.launch("torch-ddp", 2, runs_dir=runs_dir, **TINY_GPT)
+    assert not any(runs_dir.iterdir())
+
+
+def test_a_run_that_failed_before_any_rank_reported_on_a_full_disk_says_so(tmp_path,
+                                                                           monkeypatch):
+    run = rundir.RunDir(tmp_path / "run")
+    run.path.mkdir()
+    (run.path / "config.json").write_text(json.dumps({"world_size": 2}))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: _Usage(3 * 1024))
+    text = str(find_failure(run, torchrun_exit=1))
+    assert text.startswith("the run failed before any rank reported (torchrun exit code 1)\n"
+                           f"hint: the file system of {run.path} has 3 KiB free: a full disk is "
+                           f"the likely cause"), text
 
 
 RANK_ON_A_FULL_DISK = """
@@ -129,7 +292,7 @@ def test_a_rank_on_a_full_disk_reports_which_file_and_exits(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 1, done.stderr
     report = read_json(tmp_path / "run/ranks/rank0.json")
-    assert report["exception"] == "DiskFull" and report["step"] == 0, report
+    assert report["exception"] == "DiskError" and report["step"] == 0, report
     assert report["message"].startswith(f"no space left on {tmp_path}/run/metrics/rank0.jsonl")
 
 
@@ -180,31 +343,54 @@ def test_a_step_stuck_on_a_hung_disk_still_ends_at_its_deadline(tmp_path):
     assert time.monotonic() - stuck < deadline + LAST_WORDS_S + 5, "it waited on the disk"
 
 
-def test_the_launchers_deadline_holds_while_the_record_of_the_end_blocks(runs_dir, monkeypatch):
-    release = threading.Event()
-    real = rundir._write_new
+LAUNCHER_ON_A_HUNG_DISK = """
+import sys, time
+from pathlib import Path
+from dlab.cli.main import main
+from dlab.core import rundir
+from dlab.procs import run
 
-    def status_hangs(path, text):
-        if path.name.startswith(".status.json"):
-            release.wait()
-        real(path, text)
+runs, thawed = sys.argv[1], Path(sys.argv[2])
+real = rundir._write_new
 
-    monkeypatch.setattr(rundir, "_write_new", status_hangs)
-    monkeypatch.setattr(run_module, "RECORD_WITHIN_S", 1.0)
-    run = dlab.launch("single", 1, runs_dir=runs_dir, **{**TINY_GPT, "steps": 10**6})
-    # the disk answers again after 30 s: a launcher that waits for it fails the time check
-    # below, rather than hanging the test
-    threading.Timer(30, release.set).start()
+
+def status_hangs(path, text):
+    if path.name.startswith(".status.json"):
+        open(path, "w").close()  # the file is made; its bytes wait for the disk to answer
+        while not thawed.exists():
+            time.sleep(0.05)
+    real(path, text)
+
+
+rundir._write_new, run.RECORD_WITHIN_S = status_hangs, 1.0
+sys.exit(main(["run", "single", "-n", "1", "--steps", "1000000", "--deadline", "4",
+               "--runs-dir", runs, "--model-opt", "n_layer=1", "--model-opt", "d_model=32",
+               "--model-opt", "n_head=2", "--model-opt", "seq_len=32"]))
+"""
+
+
+def test_the_launchers_deadline_holds_while_the_record_of_the_end_blocks(runs_dir, tmp_path):
+    """The record of the run's end blocks on the disk: the command still ends at its deadline,
+    and, once the disk answers, the record goes in (the run reads "timeout", not "lost") and
+    the write it had begun leaves no temporary file."""
+    thawed = tmp_path / "thawed"
+    cli = subprocess.Popen([sys.executable, "-c", LAUNCHER_ON_A_HUNG_DISK, str(runs_dir),
+                            str(thawed)], env={**os.environ, "PYTHONPATH": PACKAGE_ROOT},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        next(iter(run.stream(timeout=120)))  # training
-        start = time.monotonic()
-        with pytest.warns(UserWarning, match="did not answer within 1 s"), \
-                pytest.raises(TimeoutError, match="did not finish within 2"):
-            run.wait(timeout=2)
-        assert time.monotonic() - start < 2 + 2 + 1 + 5  # deadline, stop's grace, the record
+        _, err = cli.communicate(timeout=300)  # the disk answers only after the command ended
     finally:
-        release.set()
-    deadline = time.monotonic() + 10
-    while read_json(run.path / "status.json") is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # the record goes in once the disk answers again
-    assert read_json(run.path / "status.json")["state"] == "timeout"
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        thawed.touch()
+    assert cli.returncode == 1 and "did not finish within 4" in err, err
+    assert "did not answer within 1 s" in err and "Traceback" not in err, err
+    (run_dir,) = runs_dir.iterdir()
+    deadline = time.monotonic() + 60
+    while read_json(run_dir / "status.json") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert read_json(run_dir / "status.json")["state"] == "timeout"
+    while _leftovers(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _leftovers(run_dir) and dlab.attach(run_dir).state == "timeout"

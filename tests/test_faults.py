@@ -3,17 +3,22 @@ the rank and shows why. Each test also checks (runs_dir fixture) that nothing is
 from __future__ import annotations
 
 import _thread
+import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+import torch
 from conftest import processes_of
 from helpers import TINY_GPT
 
 import dlab
+from dlab.analysis.diagnose import own_error
+from dlab.runtime import checkpoint
 
 LONG = {**TINY_GPT, "steps": 10**6}  # never reached: each test ends the run long before
 
@@ -129,3 +134,114 @@ def test_stop_ends_a_running_run(runs_dir):
     next(iter(run.stream(timeout=120)))
     run.stop()
     assert run.state == "stopped" and not processes_of(run.path)
+
+
+@pytest.mark.parametrize("reason, state", [(None, "preempted"), ("notice", "preempted"),
+                                           ("interrupted", "stopped"), ("timeout", "timeout"),
+                                           ("stopped", "stopped")])
+def test_ranks_that_stopped_as_preempted_make_the_run_read_preempted_only_on_a_notice(
+        tmp_path, reason, state):
+    """Checkpointing ranks take any SIGTERM for a scheduler's notice and report "preempted". A
+    run whose launcher stopped it for its own reasons (Ctrl-C, a closed output pipe, its
+    deadline) reads as what stopped it; only a notice passed on, or a run that ended on its own
+    (a SIGTERM reached torchrun from elsewhere), reads "preempted"."""
+    run_dir = tmp_path / "run"
+    (run_dir / "ranks").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"world_size": 2, "steps": 10}))
+    for r in (0, 1):
+        (run_dir / "ranks" / f"rank{r}.json").write_text(json.dumps(
+            {"rank": r, "ok": True, "preempted": True, "resume_from": 3}))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dlab.Run(run_dir, ended)._finish(reason)
+    assert json.loads((run_dir / "status.json").read_text())["state"] == state
+
+
+#: torchrun's log (torch 2.13) after rank 1 was SIGKILLed while the ranks wrote a checkpoint:
+#: rank 0, waiting for rank 1's part, took the teardown's SIGTERM for a preemption notice and
+#: was SIGKILLed 30 s later, so the table lists both ranks killed by SIGKILL
+TORN_DOWN_AFTER_A_KILL = """\
+W1127 19:59:56.802000 19316 torch/.../api.py:1028] Sending process 19347 closing signal SIGTERM
+W1127 20:00:26.803000 19316 torch/.../api.py:1047] Unable to shutdown process 19347 via 15, \
+forcefully exiting via 9
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+dlab.worker FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-27_20:00:26
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -9 (pid: 19347)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 19347
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-27_19:59:56
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 19348)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 19348
+======================================================
+"""
+
+
+def _run_with(tmp_path, torchrun_log: str, reports: dict) -> dlab.RunFailed:
+    run_dir = tmp_path / "run"
+    (run_dir / "ranks").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"world_size": 2, "steps": 10}))
+    (run_dir / "torchrun.log").write_text(torchrun_log)
+    for r, report in reports.items():
+        (run_dir / "ranks" / f"rank{r}.json").write_text(json.dumps({"rank": r, **report}))
+    return dlab.attach(run_dir).failure()
+
+
+def _when(text: str) -> float:
+    return time.mktime(time.strptime(text, "%Y-%m-%d_%H:%M:%S"))
+
+
+@pytest.mark.parametrize("rank0", [
+    None,  # no report: torchrun SIGKILLed it at the end of the teardown
+    # its watchdog reported it stuck, waiting for rank 1's part, after rank 1 had died
+    {"ok": False, "exception": "StepDeadline", "time": _when("2026-11-27_19:59:59"),
+     "message": "step 3 has run 4.1 s, past the run's deadline of 4 s, outside any collective"},
+    # a peer's symptom, in the same second as the kill
+    {"ok": False, "exception": "DistBackendError", "time": _when("2026-11-27_19:59:56") + 0.5,
+     "message": "[pair.cc:534] Read error [127.0.0.1]:40104: Connection reset by peer"},
+], ids=["torn-down", "its-watchdog-later", "connection-reset"])
+def test_the_rank_killed_first_is_named_not_one_that_failed_after_it(tmp_path, rank0):
+    """A rank that died of a signal without a report wins over ranks that failed after it
+    because it vanished, and over a rank torchrun itself ended at the teardown."""
+    err = _run_with(tmp_path, TORN_DOWN_AFTER_A_KILL, {0: rank0} if rank0 else {})
+    assert err.rank == 1 and err.exit_code == -9, str(err)
+    assert str(err).startswith("rank 1 of 2 was killed by SIGKILL"), str(err)
+
+
+class _Shard:
+    """A ZeRO rank's checkpoint state: every rank writes its own part."""
+    replicated = False
+
+    def checkpoint_state(self):
+        return {"params": {"w": checkpoint.piece(torch.ones(4))}, "optim": {}, "hparams": []}
+
+
+def test_a_checkpoint_writer_waiting_for_a_killed_peer_stops_at_once(tmp_path):
+    """Rank 0 commits a sharded checkpoint once every writer announced its part. A writer
+    killed midway never does: rank 0 says so within seconds, as a symptom (a peer gone), where
+    it waited for 600 s, ignoring the teardown's SIGTERM as a preemption notice."""
+    run_dir = tmp_path / "run"
+    (run_dir / "ranks").mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run_dir / "ranks" / "rank1.pid").write_text(json.dumps({"pid": gone.pid,
+                                                            "host": socket.gethostname()}))
+    saver = checkpoint.Checkpointer(run_dir / "checkpoints", 0, 2)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1, a peer, ended before it finished") as info:
+        saver.save(_Shard(), 3)
+    assert time.monotonic() - start < 60, "it waited for the writer's own deadline"
+    assert not own_error({"exception": "RuntimeError", "message": str(info.value)})
+    assert not list((run_dir / "checkpoints").glob(".partial-*"))

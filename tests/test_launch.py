@@ -6,7 +6,9 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from helpers import TINY_GPT, assert_same_training, losses
@@ -14,6 +16,8 @@ from helpers import TINY_GPT, assert_same_training, losses
 import dlab
 from dlab.core.rundir import RunDir
 from dlab.procs.process import free_port
+
+NOTEBOOK_00 = Path(__file__).resolve().parent.parent / "notebooks" / "00_start_here.ipynb"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -67,11 +71,15 @@ def test_two_torchrun_nodes_write_one_run_directory(tmp_path):
     run_dir, port = tmp_path / "two-nodes", free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=rehearsal",
-           "-m", "dlab.worker", "--run-dir", str(run_dir), "torch-ddp", "--steps", "3",
+           f"--log-dir={run_dir / 'torchelastic'}", "-m", "dlab.worker", "--run-dir", str(run_dir),
+           "torch-ddp", "--steps", "3",
            "--model-opt", "n_layer=1", "--model-opt", "d_model=32", "--model-opt", "n_head=2"]
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
     outputs = [a.communicate(timeout=120)[0].decode() for a in agents]
-    assert all(a.returncode == 0 for a in agents), outputs
+    if any(a.returncode for a in agents):  # shown in full with the failure (an assertion's is cut)
+        print(*(f"--- agent {i}, exit {a.returncode}:\n{out}" for i, (a, out) in
+                enumerate(zip(agents, outputs))), sep="\n")
+    assert all(a.returncode == 0 for a in agents), [a.returncode for a in agents]
     run = dlab.attach(run_dir)
     assert run.world_size == 2 and run.state == "ok"
     assert [len(run.metrics(r)) for r in (0, 1)] == [3, 3]
@@ -113,3 +121,37 @@ def test_torchrun_leaves_nothing_in_the_temp_dir(runs_dir, tmp_path, monkeypatch
     assert run.state == "ok"
     assert not list(temp.glob("torchelastic_*")), [p.name for p in temp.iterdir()]
     assert (run.path / "torchelastic").is_dir()
+
+
+@pytest.fixture
+def temp_dir(tmp_path, monkeypatch):
+    """A temp dir of its own for this test and every process it starts (torchrun's agent makes
+    its ``torchelastic_*`` folders there when not told where)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    return temp
+
+
+def test_notebook_00s_own_torchrun_leaves_nothing_in_the_temp_dir(temp_dir, tmp_path, monkeypatch):
+    """The cell of notebook 00 that starts torchrun as a cluster would, run as it is written
+    (the dashboard it opens replaced by nothing: the cell then waits for torchrun itself)."""
+    from dlab.ui import dashboard
+    cell = next(c for c in json.loads(NOTEBOOK_00.read_text())["cells"]
+                if "torch.distributed.run" in "".join(c["source"]) and c["cell_type"] == "code")
+    monkeypatch.setattr(dashboard, "watch", lambda run: run)
+    monkeypatch.chdir(tmp_path)
+    scope = {"sys": sys, "dlab": dlab}
+    exec("".join(cell["source"]), scope)  # noqa: S102 - the notebook's own cell
+    assert scope["agent"].returncode == 0 and dlab.attach(scope["run_dir"]).state == "ok"
+    assert not list(temp_dir.glob("torchelastic_*")), [p.name for p in temp_dir.iterdir()]
+
+
+def test_bench_launchs_plain_torchrun_leaves_nothing_in_the_temp_dir(temp_dir, tmp_path,
+                                                                    monkeypatch):
+    from dlab.bench import launch as bench_launch
+    monkeypatch.setattr(bench_launch, "WORK", {"steps": 1, "batch_size": 8, "model_options": {
+        "n_layer": 1, "d_model": 32, "n_head": 2}})  # the command is what is tested, not the work
+    bench_launch._torchrun(1, tmp_path)
+    assert not list(temp_dir.glob("torchelastic_*")), [p.name for p in temp_dir.iterdir()]

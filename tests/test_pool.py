@@ -160,6 +160,25 @@ def test_a_hung_cell_is_interrupted_and_the_pool_recovers(pool, interruptible):
     assert error is None and results == [2, 2]
 
 
+def test_a_cell_that_closes_stdout_leaves_the_ranks_alive_and_says_so(pool):
+    pids = pool.pids
+    outputs, results, error = pool.run("import sys\nprint('before', rank)\nsys.stdout.close()\n"
+                                       "print('after', rank)\nresult = rank")
+    assert error is None and results == [0, 1] and pool.pids == pids
+    assert outputs.logs[1].startswith("before 1\nafter 1\n[the cell closed sys.stdout")
+    _, results, error = pool.run("print('next')\nresult = rank")
+    assert error is None and results == [0, 1]
+
+
+def test_a_cell_that_ends_its_rank_is_told_by_what_the_rank_last_wrote(pool):
+    _, _, error = pool.run("import os, sys\nif rank == 1:\n"
+                           "    sys.__stderr__.write('the cell gave up here\\n')\n"
+                           "    sys.__stderr__.flush()\n    os._exit(7)")
+    assert isinstance(error, PoolRestarted) and error.rank == 1
+    assert ("rank 1's process ended during the cell (exited with code 7); its last output: "
+            "'the cell gave up here'") in str(error)
+
+
 def test_a_cell_past_its_timeout_returns_and_the_pool_recovers(pool):
     start = time.monotonic()
     _, _, error = pool.run("t = torch.ones(1)\nif rank == 1:\n    dist.all_reduce(t)\n", timeout_s=2)
@@ -175,26 +194,53 @@ def _wait_for_exit(pool, rank: int) -> None:
         time.sleep(0.05)
 
 
-KERNEL = """
+#: a cell that starts a process of its own (a server, a helper script) and leaves it running
+STARTS_A_CHILD = ("import subprocess, sys\n"
+                  "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                  "result = child.pid")
+
+KERNEL = f"""
 import json, sys, time
 from dlab.procs.pool import RankPool
 pool = RankPool(2, log_dir=sys.argv[1])
-print(json.dumps(pool.pids), flush=True)
+_, children, error = pool.run({STARTS_A_CHILD!r})
+assert error is None, error
+print(json.dumps(pool.pids + children), flush=True)
 time.sleep(600)
 """
 
 
-def test_a_killed_kernel_leaves_no_rank(tmp_path):
+def test_a_killed_kernel_leaves_no_rank_and_no_process_a_cell_started(tmp_path):
     kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(tmp_path)], stdout=subprocess.PIPE,
                               text=True)
     pids = json.loads(kernel.stdout.readline())
-    assert all(psutil.pid_exists(p) for p in pids)
+    assert len(pids) == 4 and all(_running(p) for p in pids)
     os.kill(kernel.pid, signal.SIGKILL)  # no atexit, no close: only the ranks' watch
     kernel.wait()
+    _all_gone(pids)
+
+
+def _all_gone(pids: list[int]) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_running(p) for p in pids):
         time.sleep(0.1)
-    assert not any(_running(p) for p in pids)
+    left = [p for p in pids if _running(p)]
+    for pid in left:  # a failing test leaves nothing behind either
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "left running"
+
+
+def test_a_process_a_cell_started_ends_with_the_pool(tmp_path):
+    """Closed, or restarted after a rank died (a dead rank leaves its cells' processes)."""
+    with RankPool(2, log_dir=tmp_path / "pool") as pool:
+        _, first, error = pool.run(STARTS_A_CHILD)
+        assert error is None and all(_running(p) for p in first)
+        _, _, error = pool.run("import os\nif rank == 1:\n    os._exit(0)")
+        assert isinstance(error, PoolRestarted)
+        _all_gone(first)
+        _, second, error = pool.run(STARTS_A_CHILD)
+        assert error is None and all(_running(p) for p in second)
+    _all_gone(second)
 
 
 def _running(pid: int) -> bool:

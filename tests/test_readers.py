@@ -15,7 +15,7 @@ def _record(step: int) -> str:
     """A metrics line with the fields the summary reads."""
     return json.dumps({"step": step, "rank": 0, "loss": 1.0 / (step + 1), "step_time": 0.1,
                        "tokens_per_s": 100.0, "mfu": 0.1, "memory": {"parameters": 10},
-                       "comm": {"sent_bytes": 0, "seconds": 0.0}}) + "\n"
+                       "comm": {"sent_bytes": 0, "seconds": 0.0, "wire_bytes": 0}}) + "\n"
 
 
 def _run_dir(tmp_path, world_size: int = 1) -> RunDir:
@@ -99,6 +99,18 @@ def _replace_line(path, number: int, text: str) -> None:
     ("timeline", 5, json.dumps({"step": 1, "start": 1.0, "end": 1.3}), "no 'kind' field"),
     ("timeline", 1, json.dumps({"kind": "forward", "step": 0, "start": "0", "end": 0.3}),
      "its 'start' is '0', not a number"),
+    # wrong kinds inside a record, and values the figures divide by (each crashed summary() or
+    # plot() with a TypeError or a ZeroDivisionError before records were checked this deep)
+    ("metrics", 2, _record(1).replace('{"parameters": 10}', '{"parameters": "lots"}').strip(),
+     "its 'memory.parameters' is 'lots', not a number"),
+    ("metrics", 3, _record(2).replace('"wire_bytes": 0', '"wire_bytes": "many"').strip(),
+     "its 'comm.wire_bytes' is 'many', not a number"),
+    ("metrics", 2, _record(1).replace('"step_time": 0.1', '"step_time": 0').strip(),
+     "its 'step_time' is 0, not a positive number of seconds"),
+    ("metrics", 4, _record(3).replace('"mfu": 0.1', '"mfu": 0.1, "hfu": true').strip(),
+     "its 'hfu' is True, not a number"),
+    ("timeline", 2, json.dumps({"kind": "forward", "step": 0, "start": 0, "end": 0.3,
+                                "stage": "first"}), "its 'stage' is 'first', not an integer"),
 ])
 def test_a_malformed_record_is_skipped_naming_file_and_line_and_the_rest_is_shown(
         tmp_path, file, line, text, words):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -71,6 +72,11 @@ def _no_work(*args, **kwargs):
     (["plan", "--json", "{tmp}"], "is a directory"),
     (["check", "--strategies", ","], "names no strategy"),
     (["check", "--strategies", ""], "names no strategy"),
+    (["check", "--strategies", "ddp,zero3,ddp"], "names ddp more than once"),
+    # a path whose directory exists but takes no new file, whatever the permission bits say
+    (["bench", "cells", "--json", "/proc/rows.json"], "/proc/rows.json cannot be written"),
+    (["run", "single", "--steps", "1", "--json", "/proc/s.json"], "/proc/s.json cannot be written"),
+    (["check", "--quick", "--json", "/proc/rows.json"], "/proc/rows.json cannot be written"),
 ])
 def test_every_cli_refuses_nonsense_before_it_works(argv, words, tmp_path, monkeypatch, capsys):
     """A --json path that cannot be written, or an empty list of strategies, is found before
@@ -88,3 +94,47 @@ def test_every_cli_refuses_nonsense_before_it_works(argv, words, tmp_path, monke
         code = e.code
     assert code == 2
     assert words in capsys.readouterr().err
+
+
+def test_check_on_its_own_refuses_an_unwritable_json_before_it_works(monkeypatch, capsys):
+    """``python -m dlab.tools.check`` (not through ``python -m dlab``) checks its --json too."""
+    from dlab.tools import check
+    monkeypatch.setattr(check, "run_check", _no_work)
+    with pytest.raises(SystemExit) as info:
+        check.main(["--strategies", "ddp", "--json", "/proc/rows.json"])
+    assert info.value.code == 2 and "/proc/rows.json cannot be written" in capsys.readouterr().err
+
+
+def test_a_full_disk_at_the_json_path_is_named(monkeypatch, capsys):
+    """/dev/full takes the open and refuses the write: the message names it, in one line."""
+    from dlab.bench import cells
+    from dlab.cli import main as cli
+    monkeypatch.setattr(cells, "run", lambda quick: [{"name": "cell", "dlab": 1.0}])
+    assert cli.main(["bench", "cells", "--json", "/dev/full"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("error: no space left on /dev/full: free some space there, or give --json "
+                   "another path\n"), err
+
+
+TINY_FLAGS = ["--model-opt", "n_layer=1", "--model-opt", "d_model=32", "--model-opt", "n_head=2",
+              "--model-opt", "seq_len=32", "--batch-size", "8"]
+
+
+def test_a_closed_output_pipe_ends_the_command_quietly_and_the_run_reads_stopped(runs_dir):
+    """``python -m dlab run ... | head -1``: the reader of the output goes away (here before the
+    first line, so that the order is certain). The command ends as Unix tools do when SIGPIPE
+    ends them (status 141, nothing said, no traceback), and the run it stopped on the way out
+    reads "stopped"."""
+    cli = subprocess.Popen([sys.executable, "-m", "dlab", "run", "single", "-n", "1", "--steps",
+                            "1000000", "--runs-dir", str(runs_dir), *TINY_FLAGS],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cli.stdout.close()
+    try:
+        _, err = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 128 + signal.SIGPIPE and err == "", err
+    (run_dir,) = runs_dir.iterdir()
+    assert dlab.attach(run_dir).state == "stopped"

@@ -2,25 +2,37 @@
 
 When one rank fails, the others usually fail right after it (their peer's socket closed, or
 their collective timed out), so "the first error" is not simply the earliest report. The cause
-is chosen in this order:
+is the earliest of:
 
 1. a rank that raised an error of its own (not a symptom of a peer going away); a rank whose
    step watchdog caught it stuck outside any collective (``StepDeadline``) is such a cause,
    and it is named before the ranks that timed out waiting for it in a collective;
 2. a rank that died without a report (killed by a signal, or an exit) - torchrun's failure
-   table in ``torchrun.log`` gives its exit code;
-3. otherwise the earliest report (e.g. every rank timed out at the deadline).
+   table in ``torchrun.log`` gives its exit code and when torchrun saw it end (to the
+   second: such a death wins a tie with an error of the same second, which it likely caused).
+   A rank torchrun ended itself (its closing SIGTERM, or the SIGKILL that follows when the
+   rank ignores that) is a casualty of the teardown, never a cause while there is another;
+
+otherwise the earliest report (e.g. every rank timed out at the deadline).
 """
 from __future__ import annotations
 
 import re
+import shutil
 import signal
+from dataclasses import dataclass
+from datetime import datetime
 
-from dlab.core.rundir import RunDir
+from dlab.core.rundir import ELSEWHERE, RESERVED_BYTES, RunDir
 
 PEER_GONE = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
              "connection refused", "socket", "peer", "aborted")
-_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)")
+#: one entry of torchrun's failure table (its time is torchrun's local time, to the second)
+_TORCHRUN_FAILURE = re.compile(r"(?:time\s*:\s*(\S+)\s*\n[^\n]*\n\s*)?rank\s*:\s*(\d+)\s*"
+                               r"\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?")
+#: torchrun's agent tearing the ranks down after a failure (it logs each pid it signals)
+_CLOSING = re.compile(r"Sending process (\d+) closing signal")
+_FIRST = "Root Cause (first observed failure)"
 
 
 class RunFailed(RuntimeError):
@@ -76,13 +88,38 @@ def own_error(report: dict) -> bool:
     return not any(p in text for p in PEER_GONE)
 
 
+@dataclass(frozen=True)
+class Ended:
+    """A failed rank as torchrun's failure table lists it."""
+    exit_code: int
+    seen: float  # when torchrun saw it end (seconds since the epoch, to the second; inf: not said)
+    first: bool  # torchrun's "Root Cause (first observed failure)"
+    torn_down: bool  # torchrun sent it its closing signal before it ended: a casualty
+
+
+def torchrun_failures(run: RunDir) -> dict[int, Ended]:
+    """The failed ranks of torchrun's failure table, by rank."""
+    text = _read(run / "torchrun.log")
+    closed = {int(pid) for pid in _CLOSING.findall(text)}
+    first_at = text.find(_FIRST)
+    out = {}
+    for m in _TORCHRUN_FAILURE.finditer(text):
+        when, rank, code, pid = m.groups()
+        out[int(rank)] = Ended(int(code), _seconds(when), 0 <= first_at < m.start(),
+                               pid is not None and int(pid) in closed)
+    return out
+
+
+def _seconds(when: str | None) -> float:
+    try:
+        return datetime.strptime(when or "", "%Y-%m-%d_%H:%M:%S").timestamp()
+    except ValueError:
+        return float("inf")
+
+
 def torchrun_exit_codes(run: RunDir) -> dict[int, int]:
     """Exit codes of failed ranks as torchrun's failure table lists them."""
-    try:
-        text = (run / "torchrun.log").read_text(errors="replace")
-    except FileNotFoundError:
-        return {}
-    return {int(r): int(code) for r, code in _TORCHRUN_FAILURE.findall(text)}
+    return {r: ended.exit_code for r, ended in torchrun_failures(run).items()}
 
 
 def _last_step(run: RunDir, rank: int) -> int | None:
@@ -92,28 +129,32 @@ def _last_step(run: RunDir, rank: int) -> int | None:
 
 def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | None:
     reports = {r: run.report(r) for r in run.ranks()}
-    listed = torchrun_exit_codes(run)
+    ended = torchrun_failures(run)
+    listed = {r: e.exit_code for r, e in ended.items()}
     exit_codes: dict[int, int | None] = {}
     for r, rep in reports.items():
         exit_codes[r] = 0 if rep and rep.get("ok") else listed.get(r, 1 if rep else None)
     raised = {r: rep for r, rep in reports.items() if rep and not rep.get("ok")}
     silent = [r for r in reports if not reports[r] and listed.get(r, 0) != 0]
-    # A rank torchrun itself ended with SIGTERM is a casualty of the teardown, not a cause.
-    stopped = [r for r in silent if listed[r] == -signal.SIGTERM]
+    # A rank torchrun itself ended (SIGTERM, or SIGKILL once it ignored that: a checkpointing
+    # rank takes SIGTERM for a notice) is a casualty of the teardown, not a cause.
+    stopped = [r for r in silent if listed[r] == -signal.SIGTERM or ended[r].torn_down]
     silent = [r for r in silent if r not in stopped]
     if not raised and not silent:
         silent = stopped
     if not raised and not silent:
         if torchrun_exit and not any(reports.values()):
             return RunFailed(run, None, exit_code=torchrun_exit, exit_codes=exit_codes,
-                             log_tail=_tail(_read(run / "torchrun.log"), 15))
+                             log_tail=_tail(_read(run / "torchrun.log"), 15),
+                             hint=_full_disk(run))
         return None
 
-    own = sorted((rep.get("time", 0.0), r) for r, rep in raised.items() if own_error(rep))
-    if own:
-        r = own[0][1]
-    elif silent:
-        r = min(silent)
+    # the earliest cause; at one time a death without a report before an error, torchrun's
+    # first observed failure before the others
+    causes = sorted([(ended[r].seen, 0 if ended[r].first else 1, r) for r in silent]
+                    + [(rep.get("time", 0.0), 2, r) for r, rep in raised.items() if own_error(rep)])
+    if causes:
+        r = causes[0][2]
     else:
         r = min((rep.get("time", 0.0), r) for r, rep in raised.items())[1]
     rep = raised.get(r)
@@ -128,6 +169,20 @@ def find_failure(run: RunDir, torchrun_exit: int | None = None) -> RunFailed | N
                          hint=hint, exit_codes=exit_codes, unreported=stopped)
     return RunFailed(run, r, step=_last_step(run, r), exit_code=listed[r], exit_codes=exit_codes,
                      log_tail=_tail(run.log(r), 8))
+
+
+def _full_disk(run: RunDir) -> str:
+    """Why nothing reported, when the disk is full: not even the ranks' logs or torchrun's
+    could be written then, and the free space is the one thing left to read."""
+    try:
+        free = shutil.disk_usage(run.path).free
+    except OSError:
+        return ""
+    if free >= RESERVED_BYTES * (run.world_size() + 1):
+        return ""
+    return (f"the file system of {run.path} has {free // 1024} KiB free: a full disk is the "
+            f"likely cause (no rank could write its log or report); free some space there, or "
+            f"{ELSEWHERE}")
 
 
 def _read(path) -> str:

@@ -14,6 +14,7 @@ import pkgutil
 import statistics
 
 from dlab.analysis.tables import format_rows
+from dlab.core.output import write_output
 
 
 def available() -> list[str]:
@@ -36,6 +37,5 @@ def run_bench(name: str, json_path: str | None = None, quick: bool = False) -> i
     rows = importlib.import_module(f"{__name__}.{name}").run(quick=quick)
     print(format_rows(rows))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_output(json_path, json.dumps(rows, indent=1))
     return 0

@@ -40,8 +40,11 @@ def _dlab(n: int, root: Path) -> tuple[float, float]:
 def _torchrun(n: int, root: Path) -> tuple[float, float]:
     run_dir = root / f"plain-{time.monotonic_ns()}"
     opts = [f"--model-opt={k}={v}" for k, v in WORK["model_options"].items()]
+    # --log-dir, as dlab.launch gives it: both sides write the agent's logs to the run, and
+    # neither leaves a torchelastic_* folder in the temp directory per torchrun
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "-m", "dlab.worker", "--run-dir", str(run_dir), "torch-ddp", "--steps", str(WORK["steps"]),
+           f"--log-dir={run_dir / 'torchelastic'}", "-m", "dlab.worker", "--run-dir", str(run_dir),
+           "torch-ddp", "--steps", str(WORK["steps"]),
            "--batch-size", str(WORK["batch_size"]), *opts]
     log = root / f"{run_dir.name}.log"
     start = time.perf_counter()

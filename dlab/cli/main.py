@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
-from pathlib import Path
 
 from dlab import parallel
 from dlab.analysis.diagnose import RunFailed
@@ -14,7 +14,8 @@ from dlab.bench import run_bench
 from dlab.cli import plan as plan_cli
 from dlab.cli.env import format_report, report
 from dlab.core.config import ConfigError, add_arguments, from_args
-from dlab.core.rundir import FULL, disk_error
+from dlab.core.output import check_output_path, write_output
+from dlab.core.rundir import DISK_ERRORS, disk_error
 from dlab.models.corpus import make_corpus
 from dlab.models.data import CORPUS
 from dlab.procs.launch import launch
@@ -38,21 +39,6 @@ class Interrupted(KeyboardInterrupt):
 
 def _raise_interrupted(signum, _frame) -> None:
     raise Interrupted(signum)
-
-
-def _check_json_path(path: str | None) -> None:
-    """Refuse an unwritable --json path before the command works, not after it."""
-    if not path:
-        return
-    target = Path(path)
-    if target.is_dir():
-        raise ConfigError(f"--json {path} is a directory; give a file name, e.g. {target / 'summary.json'}")
-    parent = target.parent if str(target.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"--json {path}: the directory {parent} does not exist; create it or "
-                          f"choose another path")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ConfigError(f"--json {path} cannot be written (no permission); choose another path")
 
 
 def _run(args) -> int:
@@ -79,10 +65,7 @@ def _run(args) -> int:
             signal.signal(sig, handler)
     print(run.summary())
     if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(run.summary().to_dict(), indent=1))
-        except OSError as e:
-            raise disk_error(e, args.json) from None
+        write_output(args.json, json.dumps(run.summary().to_dict(), indent=1))
     if run.state == "preempted":
         # a scheduler's wrapper requeues on this status (docs/reliability.md's Slurm recipe)
         step = next(iter(run.status().get("ranks", {}).values()), {}).get("resume_from")
@@ -226,17 +209,26 @@ def main(argv: list[str] | None = None) -> int:
         command.set_defaults(json_is_a_path=True)
     args = p.parse_args(argv)
     try:
-        if getattr(args, "json_is_a_path", False):
-            _check_json_path(args.json)  # before the work, not after it
+        if getattr(args, "json_is_a_path", False) and args.json:
+            check_output_path(args.json)  # before the work, not after it
         return args.func(args)
     except (ConfigError, gpu_schema.InvalidSession) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Whoever read the output went away (``| head -1``): end quietly with the status of a
+        # process that SIGPIPE ended, as other Unix tools do (a run was stopped on the way out,
+        # ``Run.wait``, and reads "stopped"). Python ignores SIGPIPE, so the write raised;
+        # stdout goes to /dev/null so that its flush at exit does not raise again.
+        with contextlib.suppress(OSError, ValueError):  # a stdout that is no file has no flush to fail
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as e:
-        if e.errno not in FULL:
+        if e.errno not in DISK_ERRORS:
             raise
-        # a full disk: said in one line, whatever wrote (what was set up is removed again,
-        # and a run that had started has recorded how it ended: dlab.core.rundir.reserve)
+        # a full, over-quota, read-only or failing disk: said in one line, whatever wrote (what
+        # was set up is removed again, and a run that had started has recorded how it ended:
+        # dlab.core.rundir.reserve)
         print(f"error: {disk_error(e, e.filename or 'the disk')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import json
 import os
+import select
 import socket
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -41,7 +45,23 @@ class CorruptRunFile(ValueError):
     """A file of a run directory that cannot be read as what it should hold."""
 
 
-#: what a write says when the disk is full, or the user's quota is
+#: what a write's errno says about the file system it went to, and what to do about it: each
+#: its own sentence, since each needs another remedy (freeing space on a disk does not lift a
+#: user's quota; a read-only or failing file system takes no write however much is freed)
+DISK_ERRORS = {
+    errno.ENOSPC: ("no space left on {path}", "free some space there, or {instead}"),
+    errno.EDQUOT: ("disk quota exceeded on {path}", "your quota on that file system is used up "
+                                                    "(`quota -s` shows it): remove some of your "
+                                                    "files there, or {instead}"),
+    errno.EROFS: ("{path} is on a read-only file system", "{instead}, or remount it read-write"),
+    errno.EIO: ("an input/output error writing {path}", "the disk or the network file system "
+                                                        "under it failed (dmesg says more): check "
+                                                        "it, or {instead}"),
+}
+#: the way out that every remedy offers, for a run's own files
+ELSEWHERE = "write runs elsewhere (runs_dir, --runs-dir)"
+#: the errors after which a file set aside by ``reserve`` can still be written: overwriting it
+#: in place needs no new block
 FULL = (errno.ENOSPC, errno.EDQUOT)
 #: bytes set aside, when a run (``status.json``) or a rank (its report) starts, for the file
 #: that records how it ended: on a full disk it is overwritten in place, which needs no new
@@ -49,22 +69,24 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 RESERVED_BYTES = 64 * 1024
 
 
-class DiskFull(OSError):
-    """A write found no space left on ``path``'s file system (ENOSPC, or EDQUOT: a quota)."""
+class DiskError(OSError):
+    """A write the file system refused (``DISK_ERRORS``: full, over quota, read-only, failing),
+    said in one sentence that names ``path`` and what to do (``instead``: where else to write)."""
 
-    def __init__(self, path, code: int = errno.ENOSPC):
-        super().__init__(code, f"no space left on {path}: free some space there, or write runs "
-                               f"elsewhere (runs_dir, --runs-dir)")
+    def __init__(self, path, code: int = errno.ENOSPC, instead: str = ELSEWHERE):
+        what, remedy = DISK_ERRORS[code]
+        super().__init__(code, f"{what.format(path=path)}: {remedy.format(instead=instead)}")
         self.path = path
 
     def __str__(self) -> str:
         return self.strerror
 
 
-def disk_error(error: OSError, path) -> OSError:
-    """``error`` as ``DiskFull`` naming ``path`` when it says the disk is full, else itself."""
-    if error.errno in FULL and not isinstance(error, DiskFull):
-        return DiskFull(path, error.errno)
+def disk_error(error: OSError, path, instead: str = ELSEWHERE) -> OSError:
+    """``error`` as ``DiskError`` naming ``path`` when its errno is one of ``DISK_ERRORS``,
+    else itself."""
+    if error.errno in DISK_ERRORS and not isinstance(error, DiskError):
+        return DiskError(path, error.errno, instead)
     return error
 
 
@@ -78,7 +100,7 @@ def _write_new(path: Path, text: str) -> None:
 def write_json(path: Path, obj) -> None:
     """Whole-file write by rename: a reader sees the old file or the new one, never half. On a
     full disk the temporary file is removed, and a file ``reserve`` set aside is overwritten in
-    place instead (it needs no new block); otherwise ``DiskFull`` names the path."""
+    place instead (it needs no new block); otherwise ``DiskError`` names the path."""
     path = Path(path)
     text = json.dumps(obj, indent=1, default=str)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -138,6 +160,74 @@ def within(seconds: float, fn, *args) -> bool:
     return True
 
 
+def aside(seconds: float, fn, *args, then: Callable[[], None] | None = None) -> bool:
+    """Call ``fn(*args)`` in a process of its own and wait at most ``seconds``: True when it
+    returned (an error it raised raised here, as ``OSError`` when it was one), False when it
+    is still blocked; it then finishes on its own, however late, and ends. ``then()`` runs in
+    that process after ``fn`` returned well, once the caller has been told.
+
+    A process, not a thread (``within``): a write to a frozen file system (``fsfreeze``, a
+    disk or network file system that stopped answering) can sleep where no signal reaches it,
+    and a thread asleep there holds its whole process's exit until the disk answers; the
+    process that writes here holds nothing of its caller's. It is forked twice (so that no
+    zombie is left to whoever called), leaves the caller's session and files (a pipe its
+    caller writes to closes when the caller exits), and ends with ``os._exit``."""
+    if not hasattr(os, "fork"):
+        return within(seconds, fn, *args)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the fork
+        _aside_child(read, write, fn, args, then)
+    os.close(write)
+    os.waitpid(child, 0)  # it forks the worker and ends at once
+    try:
+        ready, _, _ = select.select([read], [], [], seconds)
+        outcome = os.read(read, 4096) if ready else None
+    finally:
+        os.close(read)
+    if outcome is None:
+        return False
+    if not outcome:
+        raise RuntimeError("the process that did it ended without saying how it went")
+    kind, _, message = outcome.decode(errors="replace").partition(":")
+    if kind == "ok":
+        return True
+    code, _, text = message.partition(":")
+    if kind == "OSError":
+        raise OSError(int(code), text)
+    raise RuntimeError(f"{kind}: {text}")
+
+
+def _aside_child(read: int, write: int, fn, args, then) -> None:  # pragma: no cover - a fork
+    """The middle process of ``aside``: fork the worker and end; the worker calls ``fn``, says
+    how it went on ``write``, then calls ``then``."""
+    try:
+        gc.disable()  # a finalizer of the caller's objects would close a descriptor reused here
+        os.close(read)
+        if os.fork():
+            os._exit(0)
+        os.setsid()  # a Ctrl-C to the caller's terminal, or a signal to its group, is not for it
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, write)
+        os.closerange(write + 1, os.sysconf("SC_OPEN_MAX"))
+        try:
+            fn(*args)
+            said = "ok:"
+        except OSError as e:
+            said = f"OSError:{e.errno or 0}:{e}"
+        except BaseException as e:  # noqa: BLE001 - said to the caller
+            said = f"{type(e).__name__}:0:{e}"
+        with contextlib.suppress(OSError):
+            os.write(write, said.encode()[:4000])  # under PIPE_BUF: one write, read whole
+            os.close(write)
+        if then is not None and said == "ok:":
+            then()
+    finally:
+        os._exit(0)
+
+
 def read_json(path: Path, default=None):
     try:
         return json.loads(Path(path).read_text())
@@ -157,31 +247,62 @@ def read_json_object(path: Path) -> dict | None:
     return obj
 
 
-Number = (int, float)
-#: what the summary and the figures read in every record, by the folder its file is in; a
-#: record without one of them (or with one of another kind) is skipped with a warning
+class Kind(NamedTuple):
+    """What a field of a record must hold: ``name`` for the warning, ``fits`` to test it."""
+    name: str
+    fits: Callable[[object], bool]
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+INTEGER = Kind("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+NUMBER = Kind("a number", _number)
+#: a step's time: rates and shares of the step divide by it
+POSITIVE = Kind("a positive number of seconds", lambda v: _number(v) and v > 0)
+TEXT = Kind("a string", lambda v: isinstance(v, str))
+#: an object every value of which is a number (a rank's memory by category)
+NUMBERS = Kind("an object", lambda v: isinstance(v, dict))
+#: what the summary, the figures and the dashboard read in every record, by the folder its file
+#: is in; a record without one of them, or with one of another kind, is skipped with a warning
 RECORD_FIELDS = {
-    "metrics": {("step",): int, ("loss",): Number, ("step_time",): Number,
-                ("tokens_per_s",): Number, ("mfu",): Number, ("memory",): dict,
-                ("comm", "sent_bytes"): Number, ("comm", "seconds"): Number},
-    "timeline": {("kind",): str, ("step",): int, ("start",): Number, ("end",): Number},
+    "metrics": {("step",): INTEGER, ("loss",): NUMBER, ("step_time",): POSITIVE,
+                ("tokens_per_s",): NUMBER, ("mfu",): NUMBER, ("memory",): NUMBERS,
+                ("comm", "sent_bytes"): NUMBER, ("comm", "seconds"): NUMBER},
+    "timeline": {("kind",): TEXT, ("step",): INTEGER, ("start",): NUMBER, ("end",): NUMBER},
 }
-_KIND_NAMES = {int: "an integer", Number: "a number", dict: "an object", str: "a string"}
+#: what they read where a record has it (older records lack some; ``wire_bytes`` is null where
+#: the transport cannot be measured): absent or null is fine, another kind is not
+OPTIONAL_FIELDS = {
+    "metrics": {("hfu",): NUMBER, ("busy_s",): NUMBER, ("idle_s",): NUMBER,
+                ("cuda_peak_bytes",): NUMBER, ("comm", "wire_bytes"): NUMBER,
+                ("comm", "exposed_seconds"): NUMBER, ("comm", "busy_seconds"): NUMBER},
+    "timeline": {("stage",): INTEGER},
+}
 
 
-def record_problem(record, fields: dict) -> str | None:
-    """What is wrong with ``record`` against ``fields`` (``RECORD_FIELDS``), or None."""
+def record_problem(record, fields: dict, optional: dict | None = None) -> str | None:
+    """What is wrong with ``record`` against ``fields`` and ``optional`` (``RECORD_FIELDS``,
+    ``OPTIONAL_FIELDS``), naming the field (``memory.parameters``, ``comm.wire_bytes``), or
+    None."""
     if not isinstance(record, dict):
         return f"a JSON {type(record).__name__}, not an object"
-    for path, kind in fields.items():
+    for path, kind in [*fields.items(), *(optional or {}).items()]:
         value = record
         for key in path:
             value = value.get(key) if isinstance(value, dict) else None
         name = ".".join(path)
         if value is None:
-            return f"no {name!r} field"
-        if not isinstance(value, kind) or (kind is not dict and isinstance(value, bool)):
-            return f"its {name!r} is {value!r}, not {_KIND_NAMES[kind]}"
+            if path in fields:
+                return f"no {name!r} field"
+            continue
+        if not kind.fits(value):
+            return f"its {name!r} is {value!r}, not {kind.name}"
+        if kind is NUMBERS:
+            bad = next((k for k, v in value.items() if not _number(v)), None)
+            if bad is not None:
+                return f"its '{name}.{bad}' is {value[bad]!r}, not a number"
     return None
 
 
@@ -190,12 +311,15 @@ class JsonlTail:
     is still being written (no newline yet) is left for next time. A complete line that is not
     JSON (a torn write: a rank killed mid-line, then a restart appending after it) is skipped
     with a warning naming the file and the line number; the lines around it are kept. So is a
-    record that lacks what readers need of it (``fields``; by default ``RECORD_FIELDS`` of the
-    folder the file is in: ``metrics/``, ``timeline/``)."""
+    record that lacks what readers need of it or holds it as another kind, naming the field
+    (``fields``; by default ``RECORD_FIELDS`` and ``OPTIONAL_FIELDS`` of the folder the file
+    is in: ``metrics/``, ``timeline/``)."""
 
     def __init__(self, path: Path, fields: dict | None = None):
         self.path, self.offset, self.lines = Path(path), 0, 0
-        self.fields = RECORD_FIELDS.get(self.path.parent.name, {}) if fields is None else fields
+        folder = self.path.parent.name
+        self.fields = RECORD_FIELDS.get(folder, {}) if fields is None else fields
+        self.optional = OPTIONAL_FIELDS.get(folder, {}) if fields is None else {}
 
     def read(self) -> list[dict]:
         try:
@@ -222,7 +346,8 @@ class JsonlTail:
                               + (", kept the whole record appended after it" if records else ""),
                               stacklevel=2)
             for record in records:
-                problem = record_problem(record, self.fields) if self.fields else None
+                problem = (record_problem(record, self.fields, self.optional) if self.fields
+                           else None)
                 if problem:
                     warnings.warn(f"{self.path}, line {self.lines}: a record with {problem}; "
                                   f"skipped it, the other records are shown", stacklevel=2)
@@ -359,6 +484,27 @@ class RunDir:
             return {"state": preempted_or_ok(reports), "ranks": reports}
         return {"state": "lost" if self._processes_gone() else "running", "ranks": reports}
 
+    def rank_gone(self, rank: int) -> bool:
+        """True when ``rank`` wrote its pid file on this host and that process is gone (killed,
+        or exited); False while it runs, and where this host cannot tell."""
+        known = read_json_object(self.pid_file(rank))
+        return bool(known) and known.get("host") == socket.gethostname() and not self._alive(
+            known.get("pid"))
+
+    def discard_temporaries(self, wait_s: float = 30.0) -> None:
+        """Remove what writes that never finished left: ``.NAME.PID.tmp`` (``write_json``)
+        whose writer is gone, once it is (a rank stuck in a write to a hung file system dies of
+        its SIGKILL only when the disk answers), waiting at most ``wait_s`` for the writers."""
+        deadline = time.monotonic() + wait_s
+        for tmp in self.path.rglob(".*.tmp"):
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if not pid.isdigit():
+                continue
+            while _running(int(pid)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not _running(int(pid)):
+                tmp.unlink(missing_ok=True)
+
     def _processes_gone(self) -> bool:
         here = socket.gethostname()
         known = [read_json_object(self.path / "launch.json")]
@@ -377,18 +523,35 @@ class RunDir:
             return False
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 class RankWriter:
     """What one rank writes: metrics and timeline lines (flushed per step), and its final
     report. Opened lazily so a rank that fails early leaves only what it got to."""
 
     def __init__(self, run: RunDir, rank: int):
         self.run, self.rank = run, rank
-        for sub in ("metrics", "timeline", "ranks", "logs"):
+        for sub in ("ranks", "metrics", "timeline", "logs"):
             (run.path / sub).mkdir(exist_ok=True)
-        self._metrics = open(run.metrics_file(rank), "a")
-        self._timeline = open(run.timeline_file(rank), "a")
         reserve(run.report_file(rank))
-        write_json(run.pid_file(rank), {"pid": os.getpid(), "host": socket.gethostname()})
+        try:
+            self._metrics = open(run.metrics_file(rank), "a")
+            self._timeline = open(run.timeline_file(rank), "a")
+            write_json(run.pid_file(rank), {"pid": os.getpid(), "host": socket.gethostname()})
+        except OSError as e:
+            # A disk that takes nothing more (its log cannot be written either): said in the
+            # space set aside for the report, the one record this rank can still leave, so the
+            # run does not read "failed before any rank reported".
+            error = disk_error(e, e.filename or run.pid_file(rank))
+            with contextlib.suppress(OSError):
+                self.report(ok=False, step=None, exception=type(error).__name__,
+                            message=str(error), traceback="")
+            raise error from None
 
     def metric(self, record: dict) -> None:
         self._append(self._metrics, json.dumps(record) + "\n")

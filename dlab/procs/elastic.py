@@ -86,7 +86,7 @@ def rehearse(strategy: str = "ddp", agents: int = 2, nproc: int = 2, *, lose_at:
     raises ``ConfigError`` before any process starts."""
     full, small = agents * nproc, (agents - 1) * nproc
     cfg = _checked(strategy, full, small, lose_at, back_after, config)
-    check_runs_dir(runs_dir)
+    check_runs_dir(runs_dir, full)
     with new_run_dir(runs_dir, cfg.name or f"{strategy}-elastic-{full}-{small}") as run_dir:
         cfg.save(run_dir / "config.json")
     port = free_port()

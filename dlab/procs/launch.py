@@ -9,6 +9,7 @@ behind; a run-wide deadline; and the failing rank's traceback brought back into 
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dlab.core.config import ConfigError, RunConfig
-from dlab.core.rundir import RunDir, disk_error, write_json
+from dlab.core.rundir import RESERVED_BYTES, DiskError, RunDir, disk_error, write_json
 from dlab.procs.process import binds_its_port, free_port, kill_tree, spawn_tied_to_this_process, worker_env
 from dlab.procs.run import Run, track
 from dlab.worker.validate import validate
@@ -41,7 +42,7 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
         check_seconds(timeout, "timeout (the run's wall deadline, --deadline on the command line)",
                       "or None")
     cfg = validate(RunConfig.from_dict({"strategy": strategy, "world_size": world_size, **config}))
-    check_runs_dir(runs_dir)
+    check_runs_dir(runs_dir, cfg.world_size)
     with new_run_dir(runs_dir, cfg.name or f"{strategy}-w{world_size}") as run_dir:
         cfg.save(run_dir / "config.json")
         run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
@@ -55,8 +56,11 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
     return run
 
 
-def check_runs_dir(runs_dir: str | Path) -> None:
-    """Refuse a runs directory that cannot hold run directories, before anything starts."""
+def check_runs_dir(runs_dir: str | Path, ranks: int = 1) -> None:
+    """Refuse a runs directory that cannot hold run directories, before anything starts: one
+    that is a file, cannot be made or written, or whose file system has less room than a run
+    of ``ranks`` sets aside to record how it ended (``RESERVED_BYTES`` for its status and for
+    each rank's report): such a run could not even say why it failed."""
     path = Path(runs_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"runs_dir {path} is a file, not a directory; choose another runs_dir")
@@ -67,13 +71,17 @@ def check_runs_dir(runs_dir: str | Path) -> None:
                           f"writable directory") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"runs_dir {path} is not writable; choose a writable directory")
+    free = shutil.disk_usage(path).free
+    if free < RESERVED_BYTES * (ranks + 1):
+        raise DiskError(f"{path} ({free // 1024} KiB free)", errno.ENOSPC)
 
 
 @contextmanager
 def new_run_dir(runs_dir: str | Path, label: str) -> Iterator[RunDir]:
     """A fresh run directory for a run being set up. A write that fails before the run starts
     (a full disk, most likely) removes it again, so no half-written directory is left to read
-    as a lost run, and a full disk is said as ``DiskFull`` ("no space left on <path>")."""
+    as a lost run, and a disk that refuses it is said as ``DiskError`` ("no space left on
+    <path>", "disk quota exceeded on <path>", ...)."""
     run_dir = RunDir.create(runs_dir, label)
     try:
         yield run_dir

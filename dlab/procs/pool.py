@@ -21,7 +21,12 @@ What happens when a cell goes wrong:
   the error names it and how it ended, and the pool is restarted at once, its variables lost
   (the survivors' process group lost a member). A death between cells is found when the next
   cell comes: that cell is not run (it would fail on a lost variable), the error says why;
-- the kernel dies: every rank watches its parent and exits (``pool_rank.watch_parent``).
+- the kernel dies: every rank watches its parent and ends its process group, itself and what
+  its cells started (``pool_rank.watch_parent``); closing or restarting the pool ends the
+  same groups (``_kill``), so no process a cell started outlives the pool (one that leaves the
+  group, with ``setsid`` or ``start_new_session``, is its own);
+- a cell ends its rank's process (``os._exit``, a crash): the error gives the last line the
+  rank wrote to its log, not only its exit status.
 
 Every cell's message carries a sequence number that its answers carry back, and an answer to
 any other cell is dropped: a cell's results are always its own (``pool_rank`` says why this was
@@ -129,14 +134,17 @@ class RankPool:
         return self.log_dir / f"rank{rank}.log"
 
     def _kill(self) -> None:
+        """End every rank and every process its cells started (each rank leads a process group
+        that they share), whether the rank is still there or not: a rank that exited or died
+        leaves its cells' processes behind in its group. A group's id is not handed out again
+        while a member is left, so the signal reaches no stranger."""
         for c in self.conns:
             c.close()
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for p in self.procs:
             p.wait()
         self.procs, self.conns = [], []
@@ -252,7 +260,17 @@ class RankPool:
         except subprocess.TimeoutExpired:
             code = None
         return {"ok": False, "died": True, "exception": "RankDied", "output": "", "traceback": "",
-                "message": f"rank {r}'s process ended during the cell ({exit_text(code)})"}
+                "message": f"rank {r}'s process ended during the cell ({exit_text(code)})"
+                           + self._last_words(r)}
+
+    def _last_words(self, r: int) -> str:
+        """The last line rank ``r``'s process wrote to its log (a Python error ends with what
+        it was), where there is one: an exit code alone does not say what the cell did."""
+        try:
+            lines = self.log_file(r).read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return f"; its last output: {lines[-1].strip()!r} (in {self.log_file(r)})" if lines else ""
 
     def _restarted_between_cells(self, dead: dict[int, str]):
         n = self.nprocs

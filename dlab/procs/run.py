@@ -17,9 +17,11 @@ import warnings
 import weakref
 from pathlib import Path
 
+from dlab.analysis.diagnose import find_failure
 from dlab.analysis.reader import RunView, open_run
-from dlab.core.rundir import preempted_or_ok, within, write_json
+from dlab.core.rundir import aside, preempted_or_ok, write_json
 from dlab.procs.process import kill_tree
+from dlab.runtime.checkpoint import discard_partial
 from dlab.ui.plots import plot
 
 _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
@@ -28,6 +30,11 @@ _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
 PREEMPT_GRACE_S = 35.0
 #: seconds the launcher waits for the run directory to take the record of a run's end
 RECORD_WITHIN_S = 10.0
+#: the reason a run is stopped for when a scheduler's notice (SIGTERM) reached its launcher and
+#: was passed on to its ranks: only then, or when the run ended on its own, do ranks that
+#: stopped as preempted make the run read "preempted" (a run this process stopped for any other
+#: reason, a closed output pipe, Ctrl-C or a deadline, reads as what stopped it)
+NOTICE = "notice"
 
 
 def track(run: Run) -> Run:
@@ -90,7 +97,8 @@ class Run(RunView):
                 if self._a_rank_failed() and not self.config.get("max_restarts"):
                     self._give_torchrun(2.0)
         except BaseException as e:
-            self.stop(grace=self._grace_for(e), reason="interrupted")
+            grace = self._grace_for(e)
+            self.stop(grace=grace, reason=NOTICE if grace == PREEMPT_GRACE_S else "interrupted")
             raise
         finally:
             if bar:
@@ -150,40 +158,51 @@ class Run(RunView):
         self._finish(reason)
 
     def _finish(self, reason: str | None = None) -> None:
-        """Record how the run ended in ``status.json``, once. The record is made in a thread
-        given ``RECORD_WITHIN_S``: a hung file system must not hold the caller past its
-        deadline (the run then reads "lost" until its directory answers again), and a full
-        disk is said in a warning, not raised over the run's own outcome."""
+        """Record how the run ended in ``status.json``, once. The record is made by a process
+        of its own (``aside``) given ``RECORD_WITHIN_S``: a hung file system must not hold the
+        caller past its deadline, nor its exit after (a thread stuck in a write to a frozen
+        file system would); that process writes the record, and removes what the run's
+        unfinished writes left, when the directory answers again (until then the run reads
+        "running": its ranks, stuck in the same writes, die of their SIGKILL only then). A
+        full disk is said in a warning, not raised over the run's own outcome."""
         if self._ended_as is not None or self.proc is None:
             return
         self._ended_as = reason or "ended"  # never finished twice, whatever the record does
         _LIVE.discard(self)
         try:
-            if within(RECORD_WITHIN_S, self._record, reason):
+            # torchrun's exit status is read here, by its parent (the recording process is
+            # not); once the end is recorded, what writes left half done (a rank's, stuck on a
+            # hung disk when it was killed) goes
+            if aside(RECORD_WITHIN_S, self._record, reason, self.proc.poll(),
+                     then=self.dir.discard_temporaries):
                 return
             why = (f"its directory did not answer within {RECORD_WITHIN_S:g} s (a hung file "
-                   f"system?)")
-        except OSError as e:
+                   f"system?); it will be once the directory answers")
+        except (OSError, RuntimeError) as e:
             why = str(e)
         warnings.warn(f"the end of run {self.path} ({self._ended_as}) is not recorded in "
                       f"status.json: {why}", stacklevel=3)
 
-    def _record(self, reason: str | None) -> None:
-        failure = self.failure()
+    def _record(self, reason: str | None, torchrun_exit: int | None) -> None:
+        failure = find_failure(self.dir, torchrun_exit)
         reports = {r: self.dir.report(r) for r in self.dir.ranks()}
         ended_well = bool(reports) and all(rep and rep.get("ok") for rep in reports.values())
-        state = reason if reason and reason != "failed" else ("failed" if failure else (
-            preempted_or_ok(reports) if ended_well else "failed"))
-        if state == "interrupted" and failure is None:
-            state = "stopped"
-        if ended_well and preempted_or_ok(reports) == "preempted":
-            state = "preempted"  # stopped by a SIGTERM, the ranks checkpointed it as a notice
+        if ended_well and reason in (None, NOTICE) and preempted_or_ok(reports) == "preempted":
+            state = "preempted"  # a SIGTERM the ranks took as a notice and checkpointed
+        elif reason in (None, "failed"):
+            state = "failed" if failure or not ended_well else "ok"
+        elif reason in (NOTICE, "interrupted"):
+            state = "interrupted" if failure else "stopped"
+        else:
+            state = reason
         exit_codes = failure.exit_codes if failure else {r: 0 for r in self.dir.ranks()}
         self._ended_as = state
         write_json(self.dir / "status.json", {
-            "state": state, "torchrun_exit": self.proc.returncode, "exit_codes": exit_codes,
+            "state": state, "torchrun_exit": torchrun_exit, "exit_codes": exit_codes,
             "failed_rank": failure.rank if failure else None, "ended": time.time(),
             "ranks": reports})
+        # every process of the run is gone: a checkpoint still partial never will be whole
+        discard_partial(self.dir / "checkpoints")
 
 
 class _Progress:

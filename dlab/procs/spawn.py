@@ -32,7 +32,7 @@ def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str
         module = sys.modules[fn.__module__]
         target = {"module": fn.__module__, "file": getattr(module, "__file__", None),
                   "function": fn.__qualname__}
-    check_runs_dir(runs_dir)
+    check_runs_dir(runs_dir, world_size)
     with new_run_dir(runs_dir, name or "spawn") as run_dir:
         # the run directory's contract: its world size; what it runs is call.pkl, not a strategy
         write_json(run_dir / "config.json", {"world_size": world_size, "timeout_s": timeout_s,

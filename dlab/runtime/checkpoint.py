@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from dlab.comm import wire
 from dlab.comm.host import host_copies_done, to_host
+from dlab.core.rundir import ELSEWHERE, DiskError, RunDir, disk_error
 
 # /3 added pieces that are runs over a tensor-parallel slice ("slice"); a /2 reader would have
 # ignored the key and assembled the wrong tensor, so the version moved. /2 checkpoints (no
@@ -109,12 +110,49 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class _Writes:
+    """A file ``torch.save`` writes through, keeping the file system's error: torch's own
+    writer swallows it and raises "unexpected pos ..." (torch 2.13), which names neither the
+    file nor a full disk."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def _write(obj, path: Path) -> dict:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        out = _Writes(f)
+        try:
+            torch.save(obj, out)
+        except RuntimeError:
+            if out.error is None:
+                raise
+            raise out.error from None
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _partial(root: Path, step: int) -> Path:
+    """Where a checkpoint of ``step`` is written until it is complete."""
+    return root / f".partial-step-{step:08d}"
+
+
+def discard_partial(root: Path) -> None:
+    """Remove every incomplete checkpoint under ``root``: once no writer is left (the run
+    ended, or the writer failed), a ``.partial-*`` directory is only space taken."""
+    for partial in Path(root).glob(".partial-step-*"):
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 # --- saving -----------------------------------------------------------------------------------
@@ -168,18 +206,27 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, DiskError):
+                raise error  # it names the file and says what to do: nothing to add
             raise RuntimeError(f"saving a checkpoint failed: {error}") from error
 
-    def _guarded(self, *args) -> None:
+    def _guarded(self, state: dict, step: int, name: str, writers: list[int]) -> None:
         # the file writes of this thread are not wire bytes (dlab.comm.wire)
         try:
             with wire.meter.off_wire():
-                self._write_and_commit(*args)
+                self._write_and_commit(state, step, name, writers)
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by wait()
-            self._error = e
+            # a checkpoint that cannot be finished is no checkpoint: its part written so far
+            # goes (on a full disk it is what fills it; the previous checkpoint stays)
+            shutil.rmtree(_partial(self.root, step), ignore_errors=True)
+            where = Path(e.filename) if isinstance(e, OSError) and e.filename else (
+                _partial(self.root, step) / name)
+            fewer = f"keep fewer checkpoints (keep_checkpoints={self.keep}), or " if self.keep > 1 else ""
+            self._error = disk_error(e, where, instead=f"{fewer}{ELSEWHERE}") if isinstance(
+                e, OSError) else e
 
     def _write_and_commit(self, state: dict, step: int, name: str, writers: list[int]) -> None:
-        partial = self.root / f".partial-step-{step:08d}"
+        partial = _partial(self.root, step)
         partial.mkdir(parents=True, exist_ok=True)
         info = _write(state, partial / name)
         # written aside, then renamed: rank 0 polls for this file and must never read it half
@@ -191,11 +238,20 @@ class Checkpointer:
             return
         files = {}
         deadline = time.monotonic() + 600
+        run = RunDir(self.root.parent)  # where the writers' pid files are, in a run
         for r in writers:  # the other writers' files, announced through the file system
             done = partial / f"rank{r}.done"
+            polls = 0
             while not done.exists():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {r} never finished writing {partial}")
+                # a writer killed midway never announces: say so at once (worded as a peer
+                # gone, a symptom: the killed rank is the cause), not after the deadline, and
+                # not by ignoring the teardown's SIGTERM (this rank would take it for a notice)
+                if polls % 50 == 0 and run.rank_gone(r):
+                    raise RuntimeError(f"rank {r}, a peer, ended before it finished writing its "
+                                       f"part of {partial}")
+                polls += 1
                 time.sleep(0.01)
             files.update(json.loads(done.read_text()))
         manifest = {"format": FORMAT, "step": step, "kind": self.kind, "world_size": self.world_size,

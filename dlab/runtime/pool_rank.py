@@ -16,9 +16,14 @@ A cell's message carries a sequence number and its answer carries it back (``seq
 pool never takes one cell's answer for another's. The ``result`` travels pickled on its own
 inside the answer: an answer whose result the kernel cannot load is still an answer to its cell.
 
-It never outlives its pool: a thread watches the parent process (the notebook's kernel) and
-ends the rank the moment the parent is gone, even while the main thread is stuck in a
-collective, and closing the pool's connection ends it too.
+It never outlives its pool, nor does anything a cell started: a thread watches the parent
+process (the notebook's kernel) and, the moment the parent is gone, ends the rank's process
+group (the rank and every process a cell started that did not leave it), even while the main
+thread is stuck in a collective; a closed connection to the pool ends the group too, and so does
+the pool when it stops or restarts the rank (``dlab.procs.pool``).
+
+A cell that closes ``sys.stdout`` or ``sys.stderr`` (a habit from scripts) closes nothing but
+its own capture, which stays open: the rank goes on, and the cell's output says so.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import contextlib
 import io
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -33,13 +39,20 @@ from multiprocessing.connection import Connection
 
 
 def watch_parent(parent: int, every_s: float = 0.2) -> None:
-    """End this process when ``parent`` is no longer its parent (the kernel died: the rank was
-    re-parented to init), checked every ``every_s``."""
+    """End this process, and every process of its group (what its cells started), when
+    ``parent`` is no longer its parent (the kernel died: the rank was re-parented), checked
+    every ``every_s``."""
     def watch():
         while os.getppid() == parent:
             time.sleep(every_s)
-        os._exit(3)
+        end_group()
     threading.Thread(target=watch, daemon=True, name="dlab-parent-watch").start()
+
+
+def end_group() -> None:
+    """SIGKILL this rank's process group: the processes its cells started that are still
+    there, and the rank itself (it leads the group), which ends here."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def pack(message) -> bytes:
@@ -59,8 +72,18 @@ def pickled_result(value) -> tuple[bytes, bool]:
         return pack(repr(value)), False
 
 
+class _Capture(io.StringIO):
+    """What a cell prints. ``close()`` (``sys.stdout.close()`` in the cell) leaves it open and
+    is noted: a closed capture lost the cell's output and, when read, ended the rank."""
+
+    closed_by_cell = False
+
+    def close(self) -> None:
+        self.closed_by_cell = True
+
+
 def run_one(code: str, scope: dict) -> dict:
-    out = io.StringIO()
+    out = _Capture()
     reply = {"ok": True, "output": "", "result": None, "sent": True}
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
@@ -70,7 +93,9 @@ def run_one(code: str, scope: dict) -> dict:
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: the rank lives on
             reply.update(ok=False, exception=type(e).__name__, message=str(e),
                          traceback=traceback.format_exc())
-    reply["output"] = out.getvalue()
+    reply["output"] = out.getvalue() + (
+        "[the cell closed sys.stdout or sys.stderr: the pool keeps them open for the cells]\n"
+        if out.closed_by_cell else "")
     return reply
 
 
@@ -96,6 +121,7 @@ def main() -> None:
         conn.send_bytes(pack({**run_one(message["cell"], scope), "seq": message["seq"]}))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+    end_group()  # the pool closed (or the kernel is gone): nothing a cell started stays
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ from dlab import parallel
 from dlab.analysis.diagnose import RunFailed
 from dlab.analysis.tables import format_rows
 from dlab.comm.algorithms import ALGORITHMS
-from dlab.core.config import RunConfig
+from dlab.core.config import ConfigError, RunConfig
 from dlab.core.machine import gpu_count
+from dlab.core.output import check_output_path, write_output
 from dlab.procs.launch import launch
 from dlab.procs.spawn import spawn
 from dlab.theory.comm import bus_bandwidth as busbw
@@ -225,6 +226,17 @@ def main(argv: list[str] | None = None) -> int:
         for n in strategies:
             if n in NOT_SINGLE:
                 p.error(f"--strategies: {n} cannot be checked against single: {NOT_SINGLE[n]}")
+        twice = sorted({n for n in strategies if strategies.count(n) > 1})
+        if twice:
+            # refused, not deduplicated: a repeated name is a typo for another strategy as often
+            # as a slip, and the check must not run something other than what was asked
+            p.error(f"--strategies names {', '.join(twice)} more than once; name each strategy "
+                    f"once")
+    if args.json:
+        try:
+            check_output_path(args.json)  # before minutes of runs, not after them
+        except ConfigError as e:
+            p.error(str(e))
     where, rows, bus = run_check(args.quick, args.runs_dir, strategies)
     print(where)
     print(format_rows(rows))
@@ -233,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows if r["result"] == "FAIL"]
     skipped = [r for r in rows if r["result"] == "skipped"]
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": where, "strategies": rows, "allreduce": bus}, f, indent=1)
+        write_output(args.json, json.dumps({"machine": where, "strategies": rows,
+                                            "allreduce": bus}, indent=1))
     print(f"\ndlab check: {len(rows) - len(failed) - len(skipped)} passed, {len(failed)} failed, "
           f"{len(skipped)} skipped (refused by the config checks, or an operation Gloo has no "
           f"CUDA version of; reason in the table)"
