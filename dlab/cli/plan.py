@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from dlab.core.config import ConfigError
+from dlab.core.output import write_output
 from dlab.theory.plan import clusters, models, published, stacks
 from dlab.theory.plan.layout import PlanLayout
 from dlab.theory.plan.predict import PlanError, plan
@@ -157,8 +158,7 @@ def run(args) -> int:
         except PlanError as e:  # a model or layout the planner cannot take: one line, exit 2
             raise ConfigError(str(e)) from None
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_output(args.json, json.dumps(rows, indent=1))
     return 0
 
 
@@ -184,8 +184,7 @@ def _calibrate(args) -> int:
     measured = device_profile.profile(args.out, quick=args.quick, ranks=args.ranks)
     print(device_profile.describe(measured))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(measured, f, indent=1)
+        write_output(args.json, json.dumps(measured, indent=1))
     print(f"wrote {args.out}: python -m dlab plan --cluster {args.out} --model ... reads it")
     return 0
 
