@@ -137,6 +137,22 @@ def test_launch_with_dashboard_blocks_then_summarises_or_raises(runs_dir, capsys
     assert failed.value.rank == 1 and "InjectedFault" in str(failed.value)
 
 
+def test_the_dashboard_and_wait_let_torchrun_restart_a_rank_that_failed_once(runs_dir, capsys):
+    """One supervision loop (``Run.wait``): with ``max_restarts`` a rank killed once is restarted
+    by torchrun from the last checkpoint whether the cell waits or shows the dashboard, and both
+    end alike: ok, two attempts, the same losses. (The dashboard's own loop used to stop such a
+    run two seconds after the failure.)"""
+    config = {**TINY_GPT, "steps": 6, "checkpoint_every": 2, "max_restarts": 1,
+              "fault": {"rank": 1, "step": 3, "kind": "kill"}}
+    waited = dlab.launch("ddp", 2, runs_dir=runs_dir, wait=True, **config)
+    shown = dlab.launch("ddp", 2, runs_dir=runs_dir, dashboard=True, **config)
+    for run in (waited, shown):
+        assert run.state == "ok", run.error()
+        assert {m["attempt"] for m in run.metrics(0)} == {0, 1}, "the kill must have restarted the run"
+    loss = lambda run: [m["loss"] for m in run.metrics(0)]  # noqa: E731
+    assert loss(shown) == loss(waited)
+
+
 def test_stop_button_stops_a_run_while_the_cell_is_busy(runs_dir):
     """JupyterLab sends a click as a comm message on the shell channel; the kernel's main thread
     is busy in the blocking cell, yet the run must stop within seconds."""

@@ -75,10 +75,16 @@ class Run(RunView):
     # --- waiting and stopping --------------------------------------------------------------
     def stream(self, poll: float = 0.2, timeout: float | None = None):
         """Yield metric records as the ranks write them, until the run ends."""
+        for records in self._polls(poll, timeout):
+            yield from records
+
+    def _polls(self, poll: float, timeout: float | None):
+        """Every ``poll`` seconds until the run ends, the records written since the last poll
+        (often none); past ``timeout`` the run is stopped and ``TimeoutError`` raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             running = self.state == "running"
-            yield from self.new_metrics()
+            yield list(self.new_metrics())
             if not running:
                 return
             if deadline and time.monotonic() > deadline:
@@ -86,14 +92,26 @@ class Run(RunView):
                 raise TimeoutError(f"run {self.path} did not finish within {timeout} s; stopped it")
             time.sleep(poll)
 
-    def wait(self, timeout: float | None = None, progress: bool = False) -> Run:
+    def wait(self, timeout: float | None = None, progress: bool = False, poll: float = 0.2,
+             on_poll=None, stop_requested=None) -> Run:
         """Block until the run ends; raise ``RunFailed`` naming the failing rank. An interrupt
-        (KeyboardInterrupt, a notebook's stop button) stops the whole run before it returns."""
+        (KeyboardInterrupt, a notebook's stop button) stops the whole run before it returns.
+
+        The one supervision loop of a run: the dashboard watches through it too, with
+        ``on_poll(records)`` called every ``poll`` seconds with the records that arrived (it
+        redraws) and ``stop_requested()`` asked as often (its Stop button: the run is stopped,
+        reading "stopped", and ``wait`` returns). A failed rank ends the run here unless
+        torchrun may restart it (``max_restarts``), whoever watches."""
         bar = _Progress(self) if progress else None
         try:
-            for record in self.stream(timeout=timeout):
-                if bar:
+            for records in self._polls(poll, timeout):
+                for record in records if bar else ():
                     bar.update(record)
+                if on_poll is not None:
+                    on_poll(records)
+                if stop_requested is not None and stop_requested():
+                    self.stop(reason="stopped")
+                    break
                 if self._a_rank_failed() and not self.config.get("max_restarts"):
                     self._give_torchrun(2.0)
         except BaseException as e:

@@ -172,42 +172,33 @@ def show(run) -> Dashboard:
 def watch(run, timeout: float | None = None, poll: float = 0.25, redraw: float = 1.5):
     """Show the live dashboard and block until the run ends, then show its summary.
 
-    Raises the run's ``RunFailed`` (the failing rank, its exception and the tail of its
-    traceback) if a rank failed, and ``TimeoutError`` after ``timeout`` seconds (the run is
-    stopped first). An interrupt (the kernel's stop) stops every rank before it propagates.
-    Returns the ``Run``."""
+    The run is supervised by its own ``Run.wait`` (the one loop: a failed rank, torchrun's
+    restarts under ``max_restarts``, a timeout and an interrupt are handled there alike); the
+    dashboard only redraws every ``redraw`` seconds and hands over its Stop button. Raises the
+    run's ``RunFailed`` (the failing rank, its exception and the tail of its traceback) after
+    showing the summary, and ``TimeoutError`` after ``timeout`` seconds (the run is stopped
+    first). Returns the ``Run``."""
     dash = Dashboard(run)
     run = dash.run
     display(dash)
     dash.update(force=True)
-    failed_since = last_draw = None
+    drawn = [time.monotonic()]
+
+    def redraw_now(_records) -> None:
+        if time.monotonic() - drawn[0] > redraw:
+            dash.update()
+            drawn[0] = time.monotonic()
+
     try:
-        while run.state == "running":
-            now = time.monotonic()
-            if dash.stop_requested.is_set():
-                run.stop(reason="stopped")
-                break
-            if timeout is not None and now - dash.started > timeout:
-                run.stop(reason="timeout")
-                raise TimeoutError(f"run {run.path} did not finish within {timeout} s; stopped it")
-            # torchrun tears the other ranks down when one fails; if that takes long (a rank
-            # stuck in a collective ignores SIGTERM for a while) we end the run ourselves.
-            if failed_since is None and run.dir.status().get("state") == "failed":
-                failed_since = now
-            if failed_since is not None and now - failed_since > 2.0:
-                run.stop(reason="failed")
-            if last_draw is None or now - last_draw > redraw:
-                dash.update()
-                last_draw = time.monotonic()
-            time.sleep(poll)
-    except BaseException:
-        run.stop(reason="interrupted")
+        run.wait(timeout=timeout, poll=poll, on_poll=redraw_now,
+                 stop_requested=dash.stop_requested.is_set)
+    except (KeyboardInterrupt, TimeoutError):
         dash.update(force=True)
+        raise
+    except BaseException:  # the run failed: its summary, then the failure
+        dash.update(force=True)
+        display(run.summary())
         raise
     dash.update(force=True)
     display(run.summary())
-    if run.state == "failed":
-        failure = run.failure()
-        if failure is not None:
-            raise failure
     return run
