@@ -104,6 +104,17 @@ class Strategy:
         strategy that splits the model over one; None for one whose every rank holds it whole."""
         return None
 
+    #: why no option makes it train like ``single`` (``python -m dlab check`` leaves it out and
+    #: names what checks it instead); None for a strategy that does
+    differs_from_single: str | None = None
+
+    @classmethod
+    def check_options(cls) -> dict:
+        """The options under which ``python -m dlab check`` sets a run of it beside ``single``:
+        those that make it train like ``single`` where its defaults do not (for a composition,
+        a layout that puts several of its parts to work)."""
+        return {}
+
     @classmethod
     def replica_zero(cls) -> int | None:
         """For a data-parallel strategy (every rank a replica of the model, one gradient

@@ -46,14 +46,6 @@ GPT = {"n_layer": 4, "d_model": 32, "n_head": 4, "seq_len": 32}
 MOE = {**GPT, "n_expert": 4, "top_k": 2}
 BASE = {"batch_size": 8, "steps": 3, "optimizer": "sgd", "save_final": True}
 QUICK = ("torch-ddp", "ddp", "zero3", "pipeline-1f1b", "tp", "cp", "ep", "nd")
-#: options a strategy needs for its run to be comparable with ``single``
-OPTIONS = {"ps-async": {"max_staleness": 0},  # unbounded staleness differs from single by design
-           "ps-backup": {"backup": 0},  # dropping gradients does too; b = 0 is ps-sync
-           "local-sgd": {"sync_every": 1}, "torch-local-sgd": {"sync_every": 1},  # H = 1 is DDP
-           "nd": {"pp": 2, "zero": 1}}  # a composition: two stages, ZeRO-1 over what dp is left
-#: strategies no option makes equal to ``single``, each with what checks it instead
-NOT_SINGLE = {"ps-downpour": "it steps on each gradient alone, on stale weights: not single's "
-                             "update by design (tests/test_downpour.py replays its own rule)"}
 TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
 BUS_SIZES = (1 << 20, 16 << 20)
 
@@ -67,9 +59,13 @@ class Case:
     options: dict = field(default_factory=dict)
 
     def config(self) -> dict:
-        model = "moe" if self.strategy == "ep" else "gpt"
-        return {**BASE, "model": model, "model_options": MOE if model == "moe" else GPT,
-                "backend": self.backend, "device": self.device, "options": self.options}
+        """The GPT, or the MoE for a strategy that trains only a mixture of experts (it says so
+        in its ``model_problems``)."""
+        gpt = {**BASE, "model": "gpt", "model_options": GPT, "backend": self.backend,
+               "device": self.device, "options": self.options}
+        trains_gpt = not parallel.get(self.strategy).model_problems(RunConfig.from_dict(
+            {**gpt, "strategy": self.strategy, "world_size": self.world_size}))
+        return gpt if trains_gpt else {**gpt, "model": "moe", "model_options": MOE}
 
 
 def plan(strategies: list[str], gpus: int, quick: bool) -> list[Case]:
@@ -77,7 +73,7 @@ def plan(strategies: list[str], gpus: int, quick: bool) -> list[Case]:
     sizes = (2,) if quick else (2, 4)
     cases = []
     for name in strategies:
-        opts = OPTIONS.get(name, {})
+        opts = parallel.get(name).check_options()
         if gpus >= 2:
             cases += [Case(name, n, "nccl", "cuda", opts) for n in sizes if n <= gpus]
         elif gpus == 1:
@@ -192,11 +188,15 @@ def bus_bandwidth(sizes: tuple[int, ...], repeats: int) -> list[dict]:
     return rows
 
 
+def checkable() -> list[str]:
+    """Every strategy but ``single`` that some options make train like it."""
+    return [n for n in parallel.names() if n != "single" and not parallel.get(n).differs_from_single]
+
+
 def run_check(quick: bool, runs_dir: str = "runs/check", strategies: list[str] | None = None
               ) -> tuple[str, list[dict], list[dict]]:
     gpus = gpu_count()
-    names = strategies or (list(QUICK) if quick else [n for n in parallel.names()
-                                                        if n != "single" and n not in NOT_SINGLE])
+    names = strategies or (list(QUICK) if quick else checkable())
     where = (f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}" if gpus else
              "no GPU found: every check runs on Gloo/CPU")
     references: dict = {}
@@ -222,10 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in strategies if n not in parallel.names() or n == "single"]
         if unknown:
             p.error(f"--strategies: {', '.join(unknown)} not checkable; choose from "
-                    f"{', '.join(n for n in parallel.names() if n != 'single' and n not in NOT_SINGLE)}")
+                    f"{', '.join(checkable())}")
         for n in strategies:
-            if n in NOT_SINGLE:
-                p.error(f"--strategies: {n} cannot be checked against single: {NOT_SINGLE[n]}")
+            why = parallel.get(n).differs_from_single
+            if why:
+                p.error(f"--strategies: {n} cannot be checked against single: {why}")
         twice = sorted({n for n in strategies if strategies.count(n) > 1})
         if twice:
             # refused, not deduplicated: a repeated name is a typo for another strategy as often

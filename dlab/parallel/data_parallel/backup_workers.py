@@ -47,6 +47,10 @@ from dlab.parallel.data_parallel.push_server import PushServer
 class BackupWorkers(PushServer):
     """Parameter server that averages the first N - b gradients of each step (Chen et al. 2016)."""
 
+    @classmethod
+    def check_options(cls) -> dict:
+        return {"backup": 0}  # dropping gradients differs from single by design; b = 0 is ps-sync
+
     OPTIONS = {"backup": Option("int", "b: how many of the N ranks' gradients the server may "
                                 "leave out of each step (it uses the first N - b to arrive)",
                                 default=1, minimum=0)}

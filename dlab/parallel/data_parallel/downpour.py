@@ -43,6 +43,9 @@ EXTRA = 3
 class DownpourServer(PushServer):
     """Parameter server that steps on each gradient as it arrives (Dean et al. 2012)."""
 
+    differs_from_single = ("it steps on each gradient alone, on stale weights: not single's update "
+                           "by design (tests/test_downpour.py replays its own rule)")
+
     def setup(self) -> None:
         super().setup()
         n = sum(p.numel() for p in self.params)

@@ -106,6 +106,10 @@ class LocalSGD(_Periodic):
     """Inner steps without communication; every H steps an average (Local SGD) or an outer
     Nesterov step on the averaged change (DiLoCo)."""
 
+    @classmethod
+    def check_options(cls) -> dict:
+        return {"sync_every": 1}  # H = 1 is DDP
+
     OPTIONS = {
         "sync_every": SYNC_EVERY,
         "outer": Option("choice", "'average' (Local SGD: replicas take the mean of their parameters) "
@@ -188,6 +192,10 @@ class TorchLocalSGD(_Periodic):
     one of that size (ring model, Gloo's model), inside a wire window so the measured bytes are
     booked under ``all_reduce`` too.
     """
+
+    @classmethod
+    def check_options(cls) -> dict:
+        return {"sync_every": 1}  # H = 1 is DDP
 
     OPTIONS = {"sync_every": SYNC_EVERY}
 

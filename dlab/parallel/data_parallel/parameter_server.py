@@ -161,6 +161,10 @@ class AsyncParameterServer(SyncParameterServer):
     overstate the time it cost; the ``recv`` events on the timeline show what actually blocked.
     """
 
+    @classmethod
+    def check_options(cls) -> dict:
+        return {"max_staleness": 0}  # unbounded staleness differs from single by design
+
     OPTIONS = {"max_staleness": Option("int", "rounds a worker may run ahead of the server; "
                                        "None is unbounded, 0 makes ps-async behave as ps-sync",
                                        minimum=0, none_ok=True)}

@@ -58,6 +58,10 @@ class Pipeline(ND):
     """Pipeline parallelism (override ``schedule`` in a subclass): ``nd`` with pp alone, and
     optionally dp replicas and tp ranks per stage."""
     schedule = ""
+
+    @classmethod
+    def check_options(cls) -> dict:
+        return {}  # its defaults train like single; nd's composition is nd's to check
     OPTIONS = {
         **PIPELINE_OPTIONS,
         "dp": Option("int", "replicas of the whole pipeline", default=1, minimum=1),

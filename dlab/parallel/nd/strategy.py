@@ -109,6 +109,10 @@ OPTIONS = {
 class ND(Strategy):
     """Every dimension on one mesh: PP x DP (ZeRO 0-3) x CP x TP (+SP), EP folded onto DP x CP."""
 
+    @classmethod
+    def check_options(cls) -> dict:
+        return {"pp": 2, "zero": 1}  # a composition: two stages, ZeRO-1 over what dp is left
+
     OPTIONS = OPTIONS
 
     @classmethod
