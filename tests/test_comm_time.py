@@ -89,7 +89,8 @@ def test_ddp_with_overlapping_buckets_never_reports_more_than_the_step(runs_dir)
         for m in run.metrics(rank):
             c = m["comm"]
             assert m["comm_by_op"]["all_reduce"]["calls"] >= 4
-            assert 0 < c["exposed_seconds"] <= c["busy_seconds"] + 1e-9, (rank, m["step"], c)
+            # exposed may be 0: a loaded machine can finish every bucket inside backward
+            assert 0 <= c["exposed_seconds"] <= c["busy_seconds"] + 1e-9, (rank, m["step"], c)
             assert c["busy_seconds"] <= c["seconds"] + 1e-6, (rank, m["step"], c)
             assert c["busy_seconds"] <= m["step_time"] + 1e-6, (rank, m["step"], c)
             overlapped |= c["seconds"] > c["busy_seconds"] + 1e-6
