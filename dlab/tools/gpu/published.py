@@ -12,12 +12,14 @@ from __future__ import annotations
 H100_SXM = {"source": "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM (dense: the sparsity figures halved)",
             "peak": {"tf32": 494.5e12, "fp8": 1979e12}}
 
-#: forward TFLOP/s of attention against the sequence length, FP16: the bar labels of Shah et al.
-#: 2024 (FlashAttention-3)'s chart titled "Attention forward speed, head dim 128 (H100 80GB
-#: SXM5)", "standard attention" being the math path; None: out of memory there
+#: forward TFLOP/s of attention against the sequence length, FP16/BF16: the bar labels of Shah
+#: et al. 2024 (FlashAttention-3)'s chart "Attention forward speed, head dim 128 (H100 80GB
+#: SXM5)" of the forward pass *with* the causal mask (the paper charts it with and without; the
+#: one without reads higher at short sequences: FlashAttention-3 497 at 512, the math path 74),
+#: "standard attention" being the math path; None: out of memory there
 ATTENTION_H100 = {
     "source": "Shah et al. 2024, FlashAttention-3, the chart 'Attention forward speed, head dim 128 "
-              "(H100 80GB SXM5)', FP16, its bar labels",
+              "(H100 80GB SXM5)', forward with the causal mask, FP16/BF16, its bar labels",
     "seqs": (512, 1024, 2048, 4096, 8192, 16384),
     "tflops": {"standard (math)": (26, 31, 34, 35, 35, None),
                "FlashAttention-2": (191, 260, 298, 319, 333, 335),
