@@ -58,9 +58,12 @@ def _memory_hint(p, brief: dict) -> str:
     parts = (f"parameters {mem['parameters'] / GB:.1f}, gradients {mem['gradients'] / GB:.1f}, "
              f"optimizer {mem['optimizer'] / GB:.1f}, activations {mem['activations'] / GB:.1f} GB")
     if state >= mem["activations"]:
-        stages = ", ".join(str(z) for z in brief["zero_stages"] if z)
-        return (f"{parts}: model state dominates; shard it over data ranks (zero {stages}, what "
-                f"{brief['stack']} offers) or split the model (tp, pp)")
+        more = [z for z in brief["zero_stages"] if z > p.layout.zero]
+        if more:
+            return (f"{parts}: model state dominates; shard it over data ranks (zero={max(more)}, "
+                    f"the most {brief['stack']} offers) or split the model (tp, pp)")
+        return (f"{parts}: model state dominates, and {brief['stack']} shards no more of it over "
+                f"data ranks than zero={p.layout.zero} does: split the model (tp, pp)")
     return (f"{parts}: activations dominate; split the sequence (cp), split the layers' "
             f"activations with tp and sequence_parallel, or recompute")
 
