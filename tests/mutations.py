@@ -563,7 +563,8 @@ MUTATIONS = [
         "capstone checker: ZeRO-2 and 3 accepted on Megatron-Core 2024, whose distributed "
         "optimizer is ZeRO-1",
         "dlab/exercises/capstone.py",
-        (("    if layout.zero not in brief[\"zero_stages\"]:\n", "    if layout.zero not in (0, 1, 2, 3):\n"),),
+        (("    if layout.zero not in brief[\"zero_stages\"]:\n",
+          "    if layout.zero not in (0, 1, 2, 3):\n"),),
         ("tests/test_capstone.py::test_a_zero_stage_the_stack_lacks_fails",),
     ),
 ]
