@@ -558,6 +558,24 @@ MUTATIONS = [
           "instead)\n"),),
         ("tests/test_disk_faults.py::test_each_disk_error_is_said_in_its_own_words_naming_the_path",),
     ),
+    Mutation(
+        "capstone-bf16-grads",
+        "capstone checker: a layout with the ZeRO paper's 2-byte gradients judged as it stands, "
+        "not as Megatron-Core 2024 runs it (fp32 gradients)",
+        "dlab/exercises/capstone.py",
+        (("    if layout.precision != brief[\"precision\"]:\n",
+          "    if layout.precision not in (brief[\"precision\"], \"bf16\"):\n"),),
+        ("tests/test_capstone.py::test_a_layout_that_fits_only_with_two_byte_gradients_fails",),
+    ),
+    Mutation(
+        "capstone-zero3-offered",
+        "capstone checker: ZeRO-2 and 3 accepted on Megatron-Core 2024, whose distributed "
+        "optimizer is ZeRO-1",
+        "dlab/exercises/capstone.py",
+        (("    if layout.zero not in brief[\"zero_stages\"]:\n",
+          "    if layout.zero not in (0, 1, 2, 3):\n"),),
+        ("tests/test_capstone.py::test_a_zero_stage_the_stack_lacks_fails",),
+    ),
 ]
 
 

@@ -20,7 +20,8 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
         "the kernel takes the longer of the two, not their sum"),
     "capstone_layout": (  # plain data parallelism: the whole model state on every GPU
         "def capstone_layout():\n"
-        "    from dlab.plan import PlanLayout\n    return PlanLayout(dp=32, recompute='full')\n",
+        "    from dlab.plan import PlanLayout\n"
+        "    return PlanLayout(dp=32, recompute='full', precision='bf16-fp32-grads')\n",
         "model state dominates; shard it"),
     "mixed_precision_step": (  # the update added to the fp16 weight: no fp32 master
         "def mixed_precision_step(master, grad16, scale, lr):\n"
