@@ -16,6 +16,7 @@ after editing a notebook:
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import sys
@@ -35,9 +36,16 @@ def source_hash(source: str) -> str:
 
 
 def store(path: Path, timeout: int = 900) -> int:
+    """Run the notebook and keep its checked and reference outputs; the notebook's metadata
+    says when they were taken and how busy the machine was (``dlab.stored``: the date, the
+    cores, the load average before and after), which the timing lessons point to."""
     nb = nbformat.read(path, as_version=4)
+    before = os.getloadavg()[0]
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
+    nb.metadata["dlab"] = {"stored": {"date": datetime.date.today().isoformat(),
+                                      "cores": os.cpu_count(),
+                                      "load": [round(before, 2), round(os.getloadavg()[0], 2)]}}
     nbformat.write(nb, path)
     return strip(path, ran=True)
 

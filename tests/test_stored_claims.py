@@ -113,3 +113,12 @@ def test_05_prefetch_takes_exposed_time_off_where_its_condition_holds():
     gather = number(model, r"its gather over 400 Gb/s: ([\d.]+) ms")
     assert number(model, r"forward at  4,096 tokens per rank:\s+([\d.]+) ms") < gather
     assert 8000 < number(model, r"tokens >= F / B: ([\d,]+) tokens") < 12000
+
+
+@pytest.mark.parametrize("name", ["01_one_device", "04_data_parallel", "05_zero_fsdp"])
+def test_the_timing_lessons_say_when_their_outputs_were_taken(name):
+    """Their prose points to ``dlab.stored`` (the date, the cores, the load before and after),
+    which ``store_notebook_outputs.py`` writes when it runs the notebook."""
+    meta = json.loads((NOTEBOOKS / f"{name}.ipynb").read_text())["metadata"]
+    stored_at = meta.get("dlab", {}).get("stored")
+    assert stored_at and {"date", "cores", "load"} <= set(stored_at), name
