@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dlab.exercises import check
-from dlab.exercises.capstone import BRIEF, EXERCISE
+from dlab.exercises.capstone import BRIEF, EXERCISE, describe_brief
 
 PSI = 8.03e9  # Llama 3 8B's parameters (Meta's model card: 8.03B)
 
@@ -41,3 +41,15 @@ def test_a_zero_stage_the_stack_lacks_fails(zero):
                                                precision="bf16-fp32-grads"))
     assert not report.ok and "shards the optimizer state only (ZeRO-1)" in report.message, report
     assert f"(got {zero})" in report.message, report
+
+
+@pytest.mark.parametrize("brief", [BRIEF, EXERCISE], ids=["BRIEF", "EXERCISE"])
+def test_a_brief_prints_as_short_lines_with_each_target(brief):
+    """The notebook prints the exercise's brief for the learner: short lines (a printed dict is
+    one long line that the output area wraps mid-word), every figure the checker holds them to."""
+    text = describe_brief(brief)
+    assert all(len(line) <= 90 for line in text.splitlines()), text
+    for shown in (brief["model"], brief["stack"], brief["precision"], f"{brief['gpus']} x",
+                  f"{brief['seq_len']:,} tokens", f"{brief['global_batch']:,} sequences",
+                  f"at most {brief['memory_GB']:g} GB", f"{brief['tokens_per_s_per_gpu']:,.0f} tokens/s"):
+        assert shown in text, (shown, text)

@@ -41,6 +41,21 @@ EXERCISE = {"model": "llama3-8b", "cluster": "h100-sxm", **MEGATRON_CORE_2024,
 GB = 1e9
 
 
+def describe_brief(brief: dict) -> str:
+    """A brief in a few short lines: what a learner reads (a printed dict wraps mid-word in a
+    notebook's output)."""
+    b = brief
+    stages = " or ".join(str(z) for z in b["zero_stages"])
+    return "\n".join([
+        f"model {b['model']} on {b['gpus']} x {b['cluster']}",
+        f"stack {b['stack']}: precision {b['precision']}, ZeRO stage {stages}",
+        f"sequence {b['seq_len']:,} tokens, global batch {b['global_batch']:,} sequences "
+        f"({b['seq_len'] * b['global_batch']:,} tokens a step)",
+        f"targets: at most {b['memory_GB']:g} GB per GPU, at least "
+        f"{b['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU",
+    ])
+
+
 def predict(layout, brief: dict = BRIEF):
     """The planner's prediction of ``layout`` under ``brief``."""
     b = brief

@@ -15,25 +15,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
+from chromium import ROOT, cells, run_cells, wait
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = 'run = dlab.launch("torch-ddp", 4, dashboard=True, **TINY)'
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _notebook_copy(tmp: Path) -> int:
@@ -59,78 +50,17 @@ def _ranks_of(root: Path) -> list[psutil.Process]:
     return out
 
 
-@pytest.fixture
-def lab(tmp_path):
-    from dlab.tools.jupyter import command
-
-    port = _free_port()
-    launch_index = _notebook_copy(tmp_path)
-    cmd, env, url = command(port, root=tmp_path, extra=["--no-browser"])
-    # every cell in the page (JupyterLab 4 otherwise keeps only the visible ones in the DOM)
-    settings = tmp_path / ".settings" / "@jupyterlab" / "notebook-extension"
-    settings.mkdir(parents=True)
-    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
-    news = tmp_path / ".settings" / "@jupyterlab" / "apputils-extension"  # no pop-up over the page
-    news.mkdir(parents=True)
-    (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
-    env = {**env, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / ".settings")}
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            time.sleep(0.5)
-    yield url.replace("/lab?", "/lab/tree/00_start_here.ipynb?"), launch_index, tmp_path
-    server.terminate()
-    server.wait(timeout=20)
-
-
-@pytest.fixture
-def browser():
-    pytest.importorskip("selenium", reason="make browser-test installs Selenium")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver):
-        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium "
-                    "chromium-driver)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
-        options.add_argument(flag)
-    b = webdriver.Chrome(service=Service(driver), options=options)
-    yield b
-    b.quit()
-
-
-def _wait(what, timeout: float, every: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(every)
-    raise TimeoutError(f"waited {timeout:g} s")
-
-
-def test_the_dashboard_renders_updates_and_stops_in_chromium(lab, browser):
+def test_the_dashboard_renders_updates_and_stops_in_chromium(jupyter_lab, browser, tmp_path):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
 
-    url, launch_index, root = lab
+    launch_index, root = _notebook_copy(tmp_path), tmp_path
     start = time.monotonic()
-    browser.get(url)
-    def cell(i):
-        return browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")[i]
+    browser.get(jupyter_lab("00_start_here.ipynb"))
 
-    _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")) > launch_index, 60)
-    cell(0).click()  # cells run before the kernel is up wait in its queue
-    for _ in range(launch_index + 1):  # the cells above the launch cell, then the launch cell
-        browser.switch_to.active_element.send_keys(Keys.SHIFT, Keys.ENTER)
-        time.sleep(0.3)
+    def cell(i):
+        return cells(browser)[i]
+
+    run_cells(browser, launch_index + 1)  # the cells above the launch cell, then the launch cell
 
     def chart():
         imgs = cell(launch_index).find_elements(By.CSS_SELECTOR, ".jp-OutputArea img")
@@ -146,12 +76,12 @@ def test_the_dashboard_renders_updates_and_stops_in_chromium(lab, browser):
         time.sleep(0.2)
         return image.screenshot_as_png
 
-    _wait(chart, 120)
+    wait(chart, 120)
     shown_after = time.monotonic() - start
-    _wait(lambda: steps_done() >= 3, 60)  # curves to draw
+    wait(lambda: steps_done() >= 3, 60)  # curves to draw
     time.sleep(2)  # the dashboard redraws every 1.5 s
     first, at_first = shot(), steps_done()
-    second = _wait(lambda: (lambda png: png if png != first else None)(shot()), 30)
+    second = wait(lambda: (lambda png: png if png != first else None)(shot()), 30)
     assert steps_done() > at_first, "the second chart should show more steps"
     shots = Path(os.environ.get("DLAB_SCREENSHOTS") or root / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
@@ -159,11 +89,11 @@ def test_the_dashboard_renders_updates_and_stops_in_chromium(lab, browser):
     (shots / "dashboard-2.png").write_bytes(second)
     assert _ranks_of(root), "the run's processes should be alive while the charts change"
 
-    stop = _wait(lambda: [b for b in cell(launch_index).find_elements(By.CSS_SELECTOR, "button")
+    stop = wait(lambda: [b for b in cell(launch_index).find_elements(By.CSS_SELECTOR, "button")
                           if "Stop" in b.text], 10)[0]
     stop.click()
-    _wait(lambda: "stopped" in cell(launch_index).text, 30)
-    _wait(lambda: not _ranks_of(root), 30)
+    wait(lambda: "stopped" in cell(launch_index).text, 30)
+    wait(lambda: not _ranks_of(root), 30)
     cell(launch_index).screenshot(str(shots / "dashboard-stopped.png"))
     print(f"chart shown {shown_after:.1f} s after opening the notebook; "
           f"whole test {time.monotonic() - start:.1f} s; screenshots in {shots}")
