@@ -6,23 +6,11 @@ import json
 import time
 from collections import defaultdict
 
-import psutil
 import pytest
+from helpers import processes_of
+from slow_cases import SLOW_BY_HAND
 
 import dlab
-
-
-def processes_of(path) -> list[psutil.Process]:
-    """Live processes whose command line names ``path`` (a run directory or its parent): the
-    torchrun agent and every rank, orphans included."""
-    out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and str(path) in " ".join(p.info["cmdline"] or []):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
 
 
 @pytest.fixture
@@ -66,7 +54,10 @@ def pytest_collection_modifyitems(config, items):
     Beyond this rule a case is marked ``slow`` by hand, with a comment naming what stands for it,
     where a faster case in the default run takes the same code path (the same code at 2 ranks,
     or one of several schedules, routings or layouts sharing one executor); every strategy,
-    collective and notebook keeps at least one case in the default run."""
+    collective and notebook keeps at least one case in the default run. ``SLOW_BY_HAND`` lists
+    the cases moved out of the default run to keep ``make test`` within its time, each with the
+    default test that stands for it."""
+    _mark_slow_by_hand(items)
     grids = defaultdict(list)
     for item in items:
         spec = getattr(item, "callspec", None)
@@ -80,3 +71,10 @@ def pytest_collection_modifyitems(config, items):
             for world, item in cases:
                 if world == 4:
                     item.add_marker(pytest.mark.slow)
+
+
+def _mark_slow_by_hand(items) -> None:
+    """Mark ``SLOW_BY_HAND``'s cases slow (tests/test_slow_cases.py holds that each exists)."""
+    for item in items:
+        if item.nodeid in SLOW_BY_HAND:
+            item.add_marker(pytest.mark.slow)

@@ -1,4 +1,5 @@
-"""Assertions parity tests share.
+"""Assertions parity tests share, and ``processes_of``, which finds a run's processes (tests
+import it from here, never from ``conftest``: tests/browser has a conftest of its own).
 
 Parity runs use plain SGD (``optimizer="sgd"``: momentum 0.9, no normalisation): its update is
 proportional to the gradient, so a gradient off by a constant factor (a missing or doubled /N)
@@ -7,6 +8,7 @@ root mean square and hides such a factor almost entirely (2e-6 in the loss after
 """
 from __future__ import annotations
 
+import psutil
 import torch
 
 # A small GPT that trains in well under a second per step on one CPU core.
@@ -70,3 +72,16 @@ def assert_same_checkpoint(a, b) -> None:
             assert torch.equal(got, want), (
                 f"{name}/{key} differs by up to {(got - want).abs().max().item():.3g}")
     assert a.scaler() == b.scaler()
+
+
+def processes_of(path) -> list[psutil.Process]:
+    """Live processes whose command line names ``path`` (a run directory or its parent): the
+    torchrun agent and every rank, orphans included."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(path) in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import processes_of
-from helpers import WITHOUT_A_CHECKED_EXERCISE
+from helpers import WITHOUT_A_CHECKED_EXERCISE, processes_of
 from test_exercises import MISTAKES, SOLUTIONS
 
 from dlab.exercises import EXERCISES

@@ -13,8 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import processes_of
-from helpers import TINY_GPT
+from helpers import TINY_GPT, processes_of
 
 import dlab
 from dlab.analysis.diagnose import own_error

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import processes_of
+from helpers import processes_of
 
 import dlab
 

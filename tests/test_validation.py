@@ -9,8 +9,7 @@ import math
 import time
 
 import pytest
-from conftest import processes_of
-from helpers import TINY_GPT
+from helpers import TINY_GPT, processes_of
 
 import dlab
 from dlab import models, parallel

@@ -1,5 +1,9 @@
 """What the browser tests do in the page: wait for something, find the notebook's cells, run
-them as a learner does."""
+them as a learner does; and the window a laptop gives the browser.
+The fixtures are in this directory's ``conftest.py``.
+
+``make browser-test`` runs them (it installs Selenium; Chromium and its driver come from Debian:
+``apt-get install chromium chromium-driver``; nothing is downloaded at run time)."""
 from __future__ import annotations
 
 import socket

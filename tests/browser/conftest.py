@@ -1,8 +1,5 @@
 """Fixtures the browser tests share: JupyterLab serving a temporary directory, and headless
-Chromium at a laptop's window size (``chromium.WINDOW``).
-
-``make browser-test`` runs them (it installs Selenium; Chromium and its driver come from Debian:
-``apt-get install chromium chromium-driver``; nothing is downloaded at run time)."""
+Chromium at a laptop's window size (``chromium.WINDOW``)."""
 from __future__ import annotations
 
 import shutil
