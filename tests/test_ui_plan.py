@@ -81,4 +81,6 @@ def test_twelve_controls_make_three_rows_of_four_that_fit_a_laptop_window():
     assert [len(row.children) for row in box.children] == [4, 4, 4]
     widths = [int(c.layout.width.removesuffix("px")) for c in controls]
     assert sum(widths[:4]) <= 1000, "a row must fit beside JupyterLab's side bar at 1,400 pixels"
-    assert controls[-1].layout.width == controls[0].layout.width, "the slider keeps its track"
+    slider = controls[-1]
+    assert slider.layout.width == controls[0].layout.width
+    assert int(slider.style.description_width.removesuffix("px")) <= 50, "the slider keeps room for its track"

@@ -87,5 +87,6 @@ def control_rows(controls, per_row: int = 4, width: str = "245px"):
     controls = list(controls)
     for c in controls:
         c.layout.width = width
-        c.style.description_width = "75px"
+        # each description as wide as its words: a slider keeps the rest for its track
+        c.style.description_width = f"{8 * len(c.description) + 12}px"
     return W.VBox([W.HBox(controls[i:i + per_row]) for i in range(0, len(controls), per_row)])

@@ -5,7 +5,9 @@ visible, the ZeRO slider with its track), its figure shows with no warning in th
 changing a control redraws the figure."""
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 from chromium import ROOT, cells, run_cells, wait
@@ -67,6 +69,9 @@ def test_the_explorer_fits_a_laptop_window_and_redraws_when_a_control_changes(ju
         assert control.location["x"] + control.size["width"] <= right + 1, f"{label} is cut off"
     track = cell().find_elements(By.CSS_SELECTOR, ".widget-slider .slider-container")
     assert track and track[0].size["width"] > 80, "the ZeRO slider lost its track"
+    shots = Path(os.environ.get("DLAB_SCREENSHOTS") or tmp_path / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    cell().screenshot(str(shots / "explorer.png"))
 
     tp = Select(cell().find_element(By.XPATH, ".//label[normalize-space()='tp']/..//select"))
     start = time.monotonic()
