@@ -83,6 +83,11 @@ WRONG = {  # name: (answer, what the report must say)
     "sum-loss": (  # the squared errors summed
         loop(loss="torch.nn.functional.mse_loss(model(X), Y, reduction='sum')"),
         "the sum of the squared errors, not their mean"),
+    "divided-twice": (  # the gradient divided by N before zero1_step, which divides it again
+        loop(step="            g = torch.cat([p.grad.reshape(-1) for p in params]) / world_size\n"
+                  "            new = zero1_step(torch.cat([p.reshape(-1) for p in params]), g,"
+                  " lr, rank, world_size)\n"),
+        "its steps are N = 2 times too small"),
     "accumulated": (  # .grad never cleared
         loop(clear=""), "its gradients pile up from step to step"),
     "never-written": (  # zero1_step's result dropped

@@ -258,9 +258,9 @@ def _mistaken(n: int):
         (dict(scale=n), f"its steps are N = {n} times too large: the gradients were summed over "
                         f"the ranks, not averaged; divide the reduced gradient by world_size once"),
         (dict(scale=1 / n), f"its steps are N = {n} times too small: the gradient was divided by "
-                            f"world_size twice (the loss and then the gradient, or in train_zero1 "
-                            f"and again in zero1_step); the mean of the ranks' mean losses is the "
-                            f"whole batch's, so zero1_step's one division is all it takes"),
+                            f"world_size twice (before zero1_step, and again in it); the mean of "
+                            f"the ranks' mean-loss gradients is the whole batch's, so zero1_step's "
+                            f"one division is all it takes"),
         (dict(accumulate=True), "its gradients pile up from step to step: backward adds to what "
                                 ".grad holds, so clear every p.grad (p.grad = None) before each "
                                 "backward"),
