@@ -583,8 +583,10 @@ MUTATIONS = [
         "dlab/exercises/data_parallel.py",
         (("    for r, (got, _) in enumerate(answers):\n        final = got[\"params\"]\n",
           "    for r, (got, _) in enumerate(answers[:0]):\n        final = got[\"params\"]\n"),),
-        ("tests/test_exercises_assemble_dp.py::test_each_mistake_fails_saying_what_to_change"
-         "[last-not-written]",),
+        ("tests/test_exercises_assemble_dp.py::test_each_mistake_is_named_with_what_to_change"
+         "[last-not-written]",
+         "tests/test_exercises_assemble_dp.py::test_on_ranks_each_mistake_fails_saying_what_to_change"
+         "[last-not-written]"),
     ),
 ]
 

@@ -1,13 +1,22 @@
 """The data-parallel part's assembled exercise, ``train_zero1`` (notebook 05): the learner's own
 ``zero1_step`` trained end to end. The checker passes the reference (tests/test_exercises.py)
-and an answer that splits the batch another right way, and fails each way of getting there
-wrong with a message that says what to change: a right result without data parallelism or
-without ZeRO-1, a training loop that breaks the numbers (summed or twice-divided gradients,
-gradients never cleared, parameters never or not last written back, a flat vector cut back in
-another order), and a mistake made on one rank only."""
+and answers that split the batch or log the loss another right way, and fails each way of
+getting there wrong with a message that says what to change: a right result without data
+parallelism or without ZeRO-1, a training loop that breaks the numbers (summed or twice-divided
+gradients, a scaled or summed loss, gradients never cleared, parameters never or not last
+written back, a flat vector cut back in another order), and a mistake made on one rank only.
+
+Every case runs in the default run on two threads of this process, each a rank with a
+stand-in for ``dist`` (the exercise's own run, watch and judge; a second): what the judge
+decides. A few run on real ranks through ``check`` as a learner's would (a spawn each,
+seconds); the rest of those are slow."""
 from __future__ import annotations
 
+import math
+import threading
+
 import pytest
+import torch
 from test_exercises import SOLUTIONS, with_uses
 
 from dlab.exercises import EXERCISES, check
@@ -101,19 +110,93 @@ WRONG = {  # name: (answer, what the report must say)
         loop(rows="x[mine] if rank == 0 else x, y[mine] if rank == 0 else y"),
         "rank 1, step 0: the model's forward took all 8 rows of the global batch"),
 }
-DEFAULT = {"last-not-written", "ddp"}  # the final parameters, the collectives; the rest is slow
+
+
+ON_RANKS = {"last-not-written"}  # default on real ranks: the final parameters (the planted bug)
+
+
+class _Dist:
+    """The collectives zero1_step and its mistakes call, between threads: each rank puts its
+    tensor in, all wait, each reads everyone's."""
+
+    def __init__(self, rank: int, world: int, slots: list, barrier: threading.Barrier):
+        self.rank, self.world, self.slots, self.barrier = rank, world, slots, barrier
+
+    def _everyone(self, t: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[self.rank] = t.detach().clone()
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        return got
+
+    def get_rank(self):
+        return self.rank
+
+    def get_world_size(self):
+        return self.world
+
+    def reduce_scatter_tensor(self, out, inp, op=None, async_op=False):
+        out.copy_(sum(self._everyone(inp)).reshape(-1).chunk(self.world)[self.rank].view_as(out))
+
+    def all_gather_into_tensor(self, out, inp, async_op=False):
+        out.copy_(torch.cat([t.reshape(-1) for t in self._everyone(inp)]).view_as(out))
+
+    def all_reduce(self, t, op=None, async_op=False):
+        t.copy_(sum(self._everyone(t)))
+
+
+def on_threads(answer: str, world: int = 2) -> str | None:
+    """What the judge says of ``answer`` (source text) run on ``world`` threads."""
+    ex = EXERCISES["train_zero1"]
+    slots, barrier = [None] * world, threading.Barrier(world, timeout=30)
+    answers, errors = [None] * world, []
+
+    def rank(r):
+        fake, log = _Dist(r, world, slots, barrier), {}
+        for op, wrap in ex.watch(log).items():
+            if hasattr(fake, op):
+                setattr(fake, op, wrap(getattr(fake, op)))
+        source = "\n".join(line for line in answer.splitlines() if "import torch.distributed" not in line)
+        scope = {"torch": torch, "dist": fake, "math": math}
+        try:
+            exec(compile(source, f"<rank {r}>", "exec"), scope)  # noqa: S102 - the test's own answers
+            answers[r] = (ex.run(scope["train_zero1"], r, world), log)
+        except Exception as e:  # noqa: BLE001 - said in the assertion
+            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return ex.judge(answers)
+
+
+def test_the_reference_and_answers_written_otherwise_are_right():
+    assert on_threads(with_uses("train_zero1", (SOLUTIONS / "train_zero1.py").read_text())) is None
+    for name, answer in RIGHT.items():
+        assert on_threads(with_uses("train_zero1", answer)) is None, name
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_each_mistake_is_named_with_what_to_change(name):
+    wrong, says = WRONG[name]
+    said = on_threads(with_uses("train_zero1", wrong))
+    assert said is not None and says in said, said
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RIGHT))
-def test_an_answer_that_splits_or_logs_otherwise_is_right(name, runs_dir):
+def test_on_ranks_an_answer_written_otherwise_is_right(name, runs_dir):
     report = check("train_zero1", with_uses("train_zero1", RIGHT[name]), runs_dir=str(runs_dir))
     assert report.ok, report
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in DEFAULT else [pytest.mark.slow])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in ON_RANKS else [pytest.mark.slow])
                                   for n in sorted(WRONG)])
-def test_each_mistake_fails_saying_what_to_change(name, runs_dir):
+def test_on_ranks_each_mistake_fails_saying_what_to_change(name, runs_dir):
     wrong, says = WRONG[name]
     report = check("train_zero1", with_uses("train_zero1", wrong), runs_dir=str(runs_dir))
     assert not report.ok and says in report.message, report
