@@ -576,6 +576,18 @@ MUTATIONS = [
           "    if layout.zero not in (0, 1, 2, 3):\n"),),
         ("tests/test_capstone.py::test_a_zero_stage_the_stack_lacks_fails",),
     ),
+    Mutation(
+        "zero1-train-judge-final-unchecked",
+        "the train_zero1 checker compares every step's loss but not the final parameters, which "
+        "no loss sees after the last step",
+        "dlab/exercises/data_parallel.py",
+        (("    for r, (got, _) in enumerate(answers):\n        final = got[\"params\"]\n",
+          "    for r, (got, _) in enumerate(answers[:0]):\n        final = got[\"params\"]\n"),),
+        ("tests/test_exercises_assemble_dp.py::test_each_mistake_is_named_with_what_to_change"
+         "[last-not-written]",
+         "tests/test_exercises_assemble_dp.py::test_on_ranks_each_mistake_fails_saying_what_to_change"
+         "[last-not-written]"),
+    ),
 ]
 
 

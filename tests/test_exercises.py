@@ -55,6 +55,20 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
         "def zero1_step(params, grads, lr, rank, world_size):\n"
         "    dist.all_reduce(grads)\n    return params - lr * grads / world_size\n",
         "rank 0 all-reduced: every rank then holds the whole gradient"),
+    "train_zero1": (  # every rank trains on the whole global batch: right numbers, nothing parallel
+        "def train_zero1(model, batches, lr, rank, world_size):\n"
+        "    params, losses = list(model.parameters()), []\n"
+        "    for x, y in batches:\n        model.zero_grad(set_to_none=True)\n"
+        "        loss = torch.nn.functional.mse_loss(model(x), y)\n"
+        "        loss.backward()\n        losses.append(loss.item())\n"
+        "        with torch.no_grad():\n"
+        "            new = zero1_step(torch.cat([p.reshape(-1) for p in params]),\n"
+        "                             torch.cat([p.grad.reshape(-1) for p in params]),\n"
+        "                             lr, rank, world_size)\n"
+        "            for p, part in zip(params, new.split([p.numel() for p in params])):\n"
+        "                p.copy_(part.view_as(p))\n"
+        "    return losses\n",
+        "rank 0, step 0: the model's forward took all 8 rows of the global batch"),
     "bucketed_ddp": (  # every bucket reduced after backward, from finish(): nothing overlaps
         "def bucketed_ddp(model, bucket_cap_bytes, world_size):\n"
         "    params = list(model.parameters())[::-1]\n    buckets = [[params[0]]]\n"
@@ -310,12 +324,19 @@ def test_the_checker_looks_at_every_rank(name, runs_dir):
     assert not report.ok and says in report.message, report
 
 
+def with_uses(name: str, answer: str) -> str:
+    """An answer to an exercise that calls earlier exercises' functions (``Exercise.uses``:
+    train_zero1 calls zero1_step), sent with their reference solutions, as ``check`` sends the
+    learner's own."""
+    return "\n\n".join([*((SOLUTIONS / f"{u}.py").read_text() for u in EXERCISES[name].uses), answer])
+
+
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_the_checker_passes_the_solution_and_names_the_mistake(name, runs_dir):
-    solution = check(name, (SOLUTIONS / f"{name}.py").read_text(), runs_dir=str(runs_dir))
+    solution = check(name, with_uses(name, (SOLUTIONS / f"{name}.py").read_text()), runs_dir=str(runs_dir))
     assert solution.ok, solution
     wrong, says = MISTAKES[name]
-    report = check(name, wrong, runs_dir=str(runs_dir))
+    report = check(name, with_uses(name, wrong), runs_dir=str(runs_dir))
     assert not report.ok and says in report.message, report
     if "raised" in says:  # every rank raised: the report names one of them
         assert report.message.startswith("rank "), report

@@ -18,7 +18,9 @@ step, and expected against got; a rank that raises is named with its exception. 
 exercise says "send/recv only", the collectives are taken away from ``dist`` on the ranks. Where
 the property taught is how the answer communicates (the ring's bytes per rank, ZeRO-1's
 reduce-scatter and all-gather), the exercise wraps ``dist``'s functions on the ranks to log what
-the answer called and sent, and the judge checks that too (``Exercise.watch``).
+the answer called and sent, and the judge checks that too (``Exercise.watch``). An exercise that
+assembles a strategy from earlier ones calls the learner's own pieces (``Exercise.uses``), given
+to ``check`` after the function: ``check("train_zero1", train_zero1, zero1_step)``.
 
 Reference solutions live apart from the notebooks, in ``docs/instructor/solutions/`` (one file
 per exercise, the instructor's to show), with notes per notebook in ``docs/instructor/``;
@@ -27,6 +29,7 @@ a typical mistake (it must fail, saying what is wrong).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -57,7 +60,17 @@ def check(name: str, fn: Callable | str, *helpers: Callable, runs_dir: str = "ru
     source = source_of(fn, helpers)
     fname = name if isinstance(fn, str) else fn.__name__
     if "raise NotImplementedError" in source:
+        before = [h.__name__ for h in helpers if getattr(h, "__name__", None) in ex.uses
+                  and "raise NotImplementedError" in source_of(h)]
+        if before and "raise NotImplementedError" not in source_of(fn):
+            return Report(name, False, f"not written yet: {before[0]}, which {fname} calls; "
+                                       f"write it and pass its own check first")
         return Report(name, False, f"not written yet: {ex.task}")
+    unsent = [u for u in ex.uses if re.search(rf"\b{u}\s*\(", source)
+              and not re.search(rf"^\s*def {u}\b", source, re.M)]
+    if unsent:
+        return Report(name, False, f"{fname} calls {unsent[0]}, which was not sent with it: "
+                                   f"check({name!r}, {fname}, {', '.join(ex.uses)})")
     if ex.ranks == 0:
         try:
             answer = ex.run(define(source, fname) if isinstance(fn, str) else fn)

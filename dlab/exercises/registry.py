@@ -32,6 +32,9 @@ class Exercise:
     # on a rank: (log) -> {dist function name: (original) -> wrapper that logs into ``log``};
     # the judge then gets (answer, log) per rank: what the answer did, not only what it returned
     watch: Callable | None = None
+    # earlier exercises whose functions the answer calls (an assembled strategy: train_zero1
+    # calls the learner's zero1_step), given to ``check`` after it and sent with it
+    uses: tuple[str, ...] = ()
 
 
 EXERCISES: dict[str, Exercise] = {}

@@ -8,7 +8,9 @@ assignment, ``source/<notebook>/<notebook>.ipynb``, whose cells per exercise are
 - the learner's stub from the notebook's exercise cell, every ``raise NotImplementedError`` in it
   replaced by the body of the reference solution (``docs/instructor/solutions/NAME.py``) between
   nbgrader's ``### BEGIN SOLUTION`` / ``### END SOLUTION``: the solution cell,
-- the notebook's ``check(...)`` call, asserting the report: the locked autograder cell;
+- the notebook's ``check(...)`` call, asserting the report: the locked autograder cell (an
+  exercise that calls an earlier one's function, ``Exercise.uses``, gets the learner's own from
+  that exercise's solution cell above it);
 
 with a locked setup cell on top (``check``, and ``torch``, ``dist`` and ``math``: the names
 ``check`` gives the learner's function on the ranks) and, where an exercise cell sets up more
@@ -102,6 +104,11 @@ def assignments(repo: Path = REPO) -> list[Assignment]:
         cells = json.loads(path.read_text())["cells"]
         if ex.notebook not in out:
             out[ex.notebook] = Assignment(ex.notebook, _title(cells, ex.notebook))
+        earlier = [p.exercise.name for p in out[ex.notebook].parts]
+        missing = [u for u in ex.uses if u not in earlier]
+        if missing:  # the learner's own function is defined by an earlier solution cell
+            raise AssignmentError(f"exercise {ex.name} calls {missing[0]}: register {missing[0]} "
+                                  f"for notebook {ex.notebook} before it")
         part = _part(ex, cells, path)
         part.solution = solution_cell(part.stub, solution.read_text(), f"{ex.name} ({solution})")
         out[ex.notebook].parts.append(part)
