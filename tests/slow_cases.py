@@ -88,4 +88,7 @@ SLOW_BY_HAND = {
     "tests/test_dashboard.py::test_launch_with_dashboard_blocks_then_summarises_or_raises":
         "notebook 00 under nbval (a dashboard launch to its summary) and "
         "test_stop_button_stops_a_run_while_the_cell_is_busy",
+    "tests/test_exercises.py::test_the_checker_passes_the_solution_and_names_the_mistake[zero1_step]":
+        "[train_zero1], which runs the reference zero1_step on every step, and "
+        "test_exercises_assemble_dp's mistakes",
 }
