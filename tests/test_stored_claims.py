@@ -74,6 +74,28 @@ def test_01_full_recomputation_costs_about_its_flops():
     assert 1.0 < measured < 1.5 * model, text
 
 
+def test_01_autocast_rounds_less_and_the_two_scalers_agree():
+    """01 says autocast's bf16 losses stay nearer fp32's than the hand-rolled bf16 run's, and that
+    GradScaler and the hand-rolled LossScaler skipped the same steps with the same history of S."""
+    text = stored("01_one_device", "torch_runs = {")
+    hand = number(text, r"bf16, hand-rolled\s+(?:[\d.]+\s+){5}([\d.]+)")
+    auto = number(text, r"bf16, autocast\s+(?:[\d.]+\s+){5}([\d.]+)")
+    assert 0 < auto < hand, text
+    ours = re.search(r"LossScaler \(hand-rolled\)\s+([\d ]+)$", text, re.M).group(1).split()
+    theirs = re.search(r"GradScaler\('cpu'\)\s+([\d ]+)$", text, re.M).group(1).split()
+    assert ours == theirs and len(ours) == 20, text
+    skipped = re.findall(r"^fp16, .*\s(\d+)$", text, re.M)
+    assert len(skipped) == 2 and skipped[0] == skipped[1] != "0", text
+
+
+def test_01_the_allocators_peak_exceeds_what_it_holds_by_the_logits():
+    """01 says the forward's peak is the saved tensors plus the logits, 4 b s V bytes."""
+    text = stored("01_one_device", "AllocatorPeak()")
+    measured = number(text, r"peak - allocated at the end \(measured\)\s+([\d,]+)")
+    assert measured == number(text, r"the logits, 4 b s V \(model\)\s+([\d,]+)"), text
+    assert "+ the loss (4): True" in text, text
+
+
 def test_04_the_fastest_step_has_few_messages_and_the_model_an_intermediate_cap():
     """04 says the fastest step here comes with one bucket and that backward grows with the
     number of messages (the compute pays for the overlap on shared cores), and that the model,

@@ -3,10 +3,14 @@
 Memory is counted from the tensors actually held, so it works on the CPU where there is no
 allocator to ask: a category's bytes are the sum of ``nbytes`` over the distinct storages its
 tensors live in (a view or a tied weight is counted once). On CUDA the allocator's peak is
-reported beside it.
+reported beside it; on the CPU ``AllocatorPeak`` reads the CPU allocator's own record of a block
+through PyTorch's profiler.
 """
 from __future__ import annotations
 
+import gc
+import os
+import sys
 import time
 import weakref
 from collections.abc import Iterable
@@ -209,3 +213,96 @@ class Transient:
     def reset_peak(self) -> None:
         self.peak, self.kind_peak = 0, {}
         self.sample()
+
+
+@contextmanager
+def _quiet_stderr():
+    """Point the process's file descriptor 2 at /dev/null for the block (C++ libraries write
+    there directly, past ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+class AllocatorPeak:
+    """The CPU allocator's own record of a block: the most bytes held at once by the memory
+    blocks it allocated during the block (``peak``), the bytes of those still held at the end
+    (``held``), how many it allocated (``allocations``), and the bytes it freed during the block
+    of memory allocated before it (``freed_before``, not subtracted from the others).
+
+    The CPU has no allocator statistic to ask (CUDA has ``torch.cuda.max_memory_allocated``).
+    With ``profile_memory=True`` PyTorch's profiler has the CPU allocator report every
+    allocation and every free (its address, size and time); ``peak`` is the largest running sum
+    of the block's own allocations in time order, each leaving the sum when its address is
+    freed. It sees everything the block allocates through PyTorch's CPU allocator, saved for
+    backward or not, so also the transients no saved-tensor count holds (a matmul's output that
+    the next operator consumes, the logits the loss reads); it does not see memory that
+    libraries allocate outside it. Where nothing older is freed inside the block, ``peak`` is
+    what, on a GPU, ``torch.cuda.max_memory_allocated`` minus the start gives (there each block
+    is rounded up to 512 bytes). The records are read
+    from the profiler's event tree (``experimental_event_tree``, an interface PyTorch marks
+    experimental). The free of a block allocated before any profiling has no recorded size (the
+    profiler warns on stderr); Python's garbage collector runs before the block and is paused
+    during it, so that it does not free older objects inside the window.
+
+    The profiler's engine (Kineto) writes a line with the time of day to the process's stderr
+    when it starts and when it stops; those two calls run with stderr pointed at /dev/null, so
+    that a notebook cell that measures prints the same on every run. The block itself runs with
+    stderr as it is."""
+
+    def __init__(self) -> None:
+        self.peak = self.held = self.allocations = self.freed_before = 0
+
+    @contextmanager
+    def track(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with _quiet_stderr():
+                prof.start()
+            try:
+                yield self
+            finally:
+                with _quiet_stderr():
+                    prof.stop()
+        finally:
+            if collecting:
+                gc.enable()
+        self._read(prof.profiler.kineto_results.experimental_event_tree())
+
+    def _read(self, roots) -> None:
+        # private to torch's profiler: imported here, so that a torch that moves it breaks this
+        # meter alone and not every module that imports dlab.core.metrics
+        from torch._C._profiler import _EventType
+
+        events, stack = [], list(roots)
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+                f = node.extra_fields
+                events.append((node.start_time_ns, f.ptr, f.alloc_size))
+        live: dict[int, int] = {}
+        running = peak = allocations = freed_before = 0
+        for _, ptr, size in sorted(events, key=lambda e: e[0]):
+            if size > 0:
+                live[ptr] = size
+                running += size
+                allocations += 1
+                peak = max(peak, running)
+            elif ptr in live:
+                running -= live.pop(ptr)
+            else:
+                freed_before -= size
+        self.peak, self.held = peak, running
+        self.allocations, self.freed_before = allocations, freed_before
