@@ -576,6 +576,23 @@ MUTATIONS = [
           "    if layout.zero not in (0, 1, 2, 3):\n"),),
         ("tests/test_capstone.py::test_a_zero_stage_the_stack_lacks_fails",),
     ),
+    Mutation(
+        "gang-judge-reservation-unchecked",
+        "gang_admit checker: a backfilled job that would delay the first job in line goes "
+        "unnamed (only a final comparison left to catch it, without saying why)",
+        "dlab/exercises/scheduling.py",
+        (("            if hours > shadow and gpus > spare:\n",
+          "            if False and hours > shadow and gpus > spare:\n"),),
+        ("tests/test_exercises_scheduling.py::test_the_checker_names_the_rule_a_mistake_breaks"
+         "[backfill-without-reservation]",),
+    ),
+    Mutation(
+        "gang-late-ranks-left-running",
+        "the gang drill raises at its deadline but leaves the late ranks running",
+        "dlab/procs/gang.py",
+        (("                kill_tree(p, grace=1.0)\n", "                pass\n"),),
+        ("tests/test_gang.py::test_ranks_still_running_at_the_deadline_are_killed_and_reaped",),
+    ),
 ]
 
 
