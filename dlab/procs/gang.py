@@ -77,9 +77,10 @@ class Gang:
         return out
 
     def lines(self) -> list[str]:
-        out = [f"rank {r.rank}: entered the rendezvous {r.entered_s:.1f} s after the launch, "
-               f"waited {r.waited_s:.1f} s, {exit_text(r.exit_code)}: "
-               f"{r.error or 'the process group formed'}" for r in self.ranks]
+        out = [f"rank {r.rank}: entered the rendezvous {r.entered_s:.1f} s after the launch; "
+               + (f"the process group formed {r.waited_s:.1f} s later" if r.formed else
+                  f"gave up {r.waited_s:.1f} s later and {exit_text(r.exit_code)}: {r.error}")
+               for r in self.ranks]
         return out + [f"rank {r}: never started (no GPU was free for it)" for r in self.missing]
 
 

@@ -36,9 +36,8 @@ def join(store: dist.Store, rank: int, world: int, timeout_s: float) -> dict:
         arrived = store.add(ARRIVED, 0)  # adding 0 reads the count
         return {"rank": rank, "entered": entered, "ended": failed, "formed": False,
                 "arrived": arrived,
-                "error": (f"no process group after {failed - entered:.1f} s: {arrived} of {world} "
-                          f"ranks arrived, {world - arrived} missing; torch said: "
-                          f"{type(e).__name__}: {str(e).splitlines()[0]}")}
+                "error": (f"{arrived} of {world} ranks arrived, {world - arrived} missing; torch "
+                          f"said: {type(e).__name__}: {str(e).splitlines()[0]}")}
     formed = time.time()
     dist.destroy_process_group()
     return {"rank": rank, "entered": entered, "ended": formed, "formed": True,
@@ -59,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     run = RunDir(args.run_dir)
     (run / "gang").mkdir(exist_ok=True)
     write_json(run / f"gang/rank{args.rank}.json", report)
-    print(f"rank {args.rank}: " + (report["error"] or "the process group formed"), flush=True)
+    waited = report["ended"] - report["entered"]
+    print(f"rank {args.rank}: " + (f"no process group after {waited:.1f} s: {report['error']}"
+                                   if report["error"] else f"the process group formed after {waited:.1f} s"),
+          flush=True)
     return 0 if report["formed"] else 1
 
 
