@@ -57,6 +57,12 @@ MISTAKES = {  # a learner's typical wrong answers, and what the report must say
 }
 
 
+@pytest.mark.parametrize("answer", ["return None", "return [['A']]", "return ['Z']"])
+def test_an_answer_that_is_not_a_list_of_waiting_jobs_is_named(answer):
+    report = check("gang_admit", f"def gang_admit(queue, free, running, backfill):\n    {answer}\n")
+    assert not report.ok and "expected a list of the waiting jobs' names (['A', 'B']), got" in report.message
+
+
 def test_the_exercise_is_registered_for_notebook_13():
     assert EXERCISES["gang_admit"].notebook == "13_what_breaks_at_scale"
 

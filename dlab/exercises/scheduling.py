@@ -73,7 +73,7 @@ def _broken_rule(queue, free, running, backfill, got) -> str | None:
     """The first rule ``got`` breaks on this case, said with its jobs; None if it breaks none
     of those named here."""
     jobs = {name: (gpus, hours) for name, gpus, hours in queue}
-    if not isinstance(got, (list, tuple)) or not all(name in jobs for name in got):
+    if not isinstance(got, (list, tuple)) or not all(isinstance(n, str) and n in jobs for n in got):
         return f"expected a list of the waiting jobs' names ({sorted(jobs)}), got {got!r}"
     if len(set(got)) != len(got):
         return f"a job is started twice in {list(got)}"
