@@ -3,8 +3,8 @@ pods one at a time and runs out of GPUs part-way.
 
 A statically sized job cannot run on fewer ranks than it was launched with: every collective
 involves every rank, so ``init_process_group`` for a world of N waits until all N have given
-their addresses to the rendezvous store, and gives up when its ``timeout`` has passed. Until
-then the ranks that did start hold their GPUs and do nothing.
+their addresses to the rendezvous store, and gives up when one has not come within its
+``timeout``. Until then the ranks that did start hold their GPUs and do nothing.
 
 ``drill(world_size, started, timeout_s)`` plays that on this machine. It hosts the rendezvous
 store itself (as torchrun's agent hosts its workers' store), starts ranks ``0 .. started-1`` of

@@ -4,10 +4,11 @@
 It does what every rank of a statically sized job does first: it joins the rendezvous store,
 counts itself in (``ARRIVED``, the roll call torch's own store-based barrier and torchrun's
 rendezvous keep), and calls ``init_process_group`` for a world of N with a timeout of T
-seconds. If a rank of the N never comes, the group cannot form: Gloo waits in the store for the
-missing rank's address until T has passed, and raises. The rank then writes what it saw to
-``R/gang/rank{r}.json`` (when it entered, how long it waited, how many ranks the store counted,
-torch's own error) and exits with status 1; a rank whose group formed reports that and exits 0.
+seconds. If a rank of the N never comes, the group cannot form: Gloo reads its peers' addresses
+from the store one at a time, waiting up to T seconds for each, and raises at the missing one.
+The rank then writes what it saw to ``R/gang/rank{r}.json`` (when it entered, how long it
+waited, how many ranks the store counted, torch's own error) and exits with status 1; a rank
+whose group formed reports that and exits 0.
 """
 from __future__ import annotations
 
