@@ -213,8 +213,12 @@ MUTATIONS = [
         "accumulation-not-averaged",
         "gradient accumulation sums the micro-batches' gradients instead of averaging them",
         "dlab/runtime/mixed_precision.py",
-        (("            objective = loss * (self.loss_weight / k)\n",
-          "            objective = loss * self.loss_weight\n"),),
+        (("            objective = loss * (self.loss_weight / k)\n"
+          "            if self.scaler is not None:\n"
+          "                objective = self.scaler.scale_loss(objective)\n",
+          "            objective = loss * self.loss_weight\n"
+          "            if self.scaler is not None:\n"
+          "                objective = self.scaler.scale_loss(objective)\n"),),
         ("tests/test_mixed_precision.py::test_accumulated_micro_batches_give_the_whole_batch_step",),
     ),
     Mutation(
@@ -587,6 +591,23 @@ MUTATIONS = [
          "[last-not-written]",
          "tests/test_exercises_assemble_dp.py::test_on_ranks_each_mistake_fails_saying_what_to_change"
          "[last-not-written]"),
+    ),
+    Mutation(
+        "gang-judge-reservation-unchecked",
+        "gang_admit checker: a backfilled job that would delay the first job in line goes "
+        "unnamed (only a final comparison left to catch it, without saying why)",
+        "dlab/exercises/scheduling.py",
+        (("            if hours > shadow and gpus > spare:\n",
+          "            if False and hours > shadow and gpus > spare:\n"),),
+        ("tests/test_exercises_scheduling.py::test_the_checker_names_the_rule_a_mistake_breaks"
+         "[backfill-without-reservation]",),
+    ),
+    Mutation(
+        "gang-late-ranks-left-running",
+        "the gang drill raises at its deadline but leaves the late ranks running",
+        "dlab/procs/gang.py",
+        (("                kill_tree(p, grace=1.0)\n", "                pass\n"),),
+        ("tests/test_gang.py::test_ranks_still_running_at_the_deadline_are_killed_and_reaped",),
     ),
 ]
 

@@ -130,6 +130,14 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
                       "    idx = grad.abs().topk(k).indices\n"
                       "    return grad[idx], idx, torch.zeros_like(grad)\n",
                       "step 0, the new memory: element"),
+    "gang_admit": ("def gang_admit(queue, free, running, backfill):\n"  # any job that fits: first fit
+                   "    started = []\n"
+                   "    for name, gpus, hours in queue:\n"
+                   "        if gpus <= free:\n            started.append(name)\n"
+                   "            free -= gpus\n"
+                   "    return started\n",
+                   "job C started ahead of job B, which waits for 4 GPUs: without backfill the "
+                   "first job that does not fit holds the line"),
 }
 
 

@@ -44,6 +44,7 @@ from dlab.exercises import (  # noqa: F401 - they register the exercises
     model_parallel,
     planning,
     precision,
+    scheduling,
 )
 from dlab.exercises.registry import COLLECTIVES, EXERCISES, Exercise, Report, define, source_of
 from dlab.procs.spawn import spawn
