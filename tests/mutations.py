@@ -576,6 +576,15 @@ MUTATIONS = [
           "    if layout.zero not in (0, 1, 2, 3):\n"),),
         ("tests/test_capstone.py::test_a_zero_stage_the_stack_lacks_fails",),
     ),
+    Mutation(
+        "tp-assembled-judge-calls-unchecked",
+        "the train_tp_mlp checker leaves the collectives uncounted (a block whose input skips f "
+        "is then judged by its losses alone)",
+        "dlab/exercises/model_parallel_assembled.py",
+        (("        wrong = _tp_calls(a[\"calls\"])\n", "        wrong = None\n"),),
+        ("tests/test_exercises_assemble_mp.py::test_a_wrong_tensor_parallel_block_is_named"
+         "[input-detached]",),
+    ),
 ]
 
 

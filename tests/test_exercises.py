@@ -116,7 +116,35 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
                       "    idx = grad.abs().topk(k).indices\n"
                       "    return grad[idx], idx, torch.zeros_like(grad)\n",
                       "step 0, the new memory: element"),
+    # the assembled exercises (their pieces, the reference's, go with them: ``with_pieces``)
+    "train_tp_mlp": (  # GeLU moved after the row-parallel sum
+        "def train_tp_mlp(params, batches, lr, rank, world_size):\n"
+        "    n = params['w1'].shape[0] // world_size\n    mine = slice(rank * n, (rank + 1) * n)\n"
+        "    held = {'w0': params['w0'], 'w1': params['w1'][mine], 'b1': params['b1'][mine],\n"
+        "            'w2': params['w2'][:, mine], 'b2': params['b2']}\n"
+        "    held = {k: v.clone().requires_grad_() for k, v in held.items()}\n"
+        "    losses = []\n    for x, y in batches:\n"
+        "        h = column_parallel_linear(x @ held['w0'].T, held['w1'], held['b1'])\n"
+        "        z = torch.nn.functional.gelu(row_parallel_linear(h, held['w2'], held['b2']))\n"
+        "        loss = ((z - y) ** 2).mean()\n        loss.backward()\n"
+        "        with torch.no_grad():\n            for p in held.values():\n"
+        "                p -= lr * p.grad\n                p.grad = None\n"
+        "        losses.append(loss.item())\n"
+        "    return losses, {k: v.detach() for k, v in held.items()}\n",
+        "rank 0, step 0's loss: expected 1.96503, got 1.70279: GeLU applied after the "
+        "row-parallel sum"),
 }
+
+
+def with_pieces(name: str, source: str) -> str:
+    """``source`` after the reference solutions of the pieces ``name`` is assembled from (a
+    learner passes their own to ``check`` as helpers); ``source`` alone for other exercises."""
+    pieces = [(SOLUTIONS / f"{piece}.py").read_text() for piece in EXERCISES[name].pieces]
+    return "\n\n".join([*pieces, source])
+
+
+def solution(name: str) -> str:
+    return with_pieces(name, (SOLUTIONS / f"{name}.py").read_text())
 
 
 # Wrong answers whose results may be right: the checker must fail on the property the notebook
@@ -306,16 +334,16 @@ def test_every_exercise_has_a_solution_and_a_mistake():
 def test_the_checker_looks_at_every_rank(name, runs_dir):
     """A mistake that leaves rank 0 right is caught on the rank it breaks."""
     wrong, says = RANK_MISTAKES[name]
-    report = check(name, wrong, runs_dir=str(runs_dir))
+    report = check(name, with_pieces(name, wrong), runs_dir=str(runs_dir))
     assert not report.ok and says in report.message, report
 
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_the_checker_passes_the_solution_and_names_the_mistake(name, runs_dir):
-    solution = check(name, (SOLUTIONS / f"{name}.py").read_text(), runs_dir=str(runs_dir))
-    assert solution.ok, solution
+    reference = check(name, solution(name), runs_dir=str(runs_dir))
+    assert reference.ok, reference
     wrong, says = MISTAKES[name]
-    report = check(name, wrong, runs_dir=str(runs_dir))
+    report = check(name, with_pieces(name, wrong), runs_dir=str(runs_dir))
     assert not report.ok and says in report.message, report
     if "raised" in says:  # every rank raised: the report names one of them
         assert report.message.startswith("rank "), report
@@ -336,5 +364,5 @@ SAME_PATH_AS_ANOTHER = {("dispatch", 1)}  # point to point: judged as the all-ga
     for n, cases in sorted(PROPERTY_MISTAKES.items()) for i in range(len(cases))])
 def test_the_checker_fails_a_right_result_reached_the_wrong_way(name, case, runs_dir):
     wrong, says = PROPERTY_MISTAKES[name][case]
-    report = check(name, wrong, runs_dir=str(runs_dir))
+    report = check(name, with_pieces(name, wrong), runs_dir=str(runs_dir))
     assert not report.ok and says in report.message, report

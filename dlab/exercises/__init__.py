@@ -39,6 +39,7 @@ from dlab.exercises import (  # noqa: F401 - they register the exercises
     gpu,
     local,
     model_parallel,
+    model_parallel_assembled,
     planning,
     precision,
 )
@@ -57,6 +58,13 @@ def check(name: str, fn: Callable | str, *helpers: Callable, runs_dir: str = "ru
     source = source_of(fn, helpers)
     fname = name if isinstance(fn, str) else fn.__name__
     if "raise NotImplementedError" in source:
+        unwritten = [h.__name__ for h in helpers if "raise NotImplementedError" in source_of(h)]
+        if unwritten and "raise NotImplementedError" not in source_of(fn):
+            one = len(unwritten) == 1
+            return Report(name, False, f"not written yet: {', '.join(unwritten)}, which {fname} "
+                                       f"uses, still {'raises' if one else 'raise'} "
+                                       f"NotImplementedError; write and check "
+                                       f"{'it' if one else 'them'} first, then {ex.task}")
         return Report(name, False, f"not written yet: {ex.task}")
     if ex.ranks == 0:
         try:

@@ -32,6 +32,9 @@ class Exercise:
     # on a rank: (log) -> {dist function name: (original) -> wrapper that logs into ``log``};
     # the judge then gets (answer, log) per rank: what the answer did, not only what it returned
     watch: Callable | None = None
+    # the exercises whose answers this one is assembled from: the learner passes their functions
+    # to ``check`` as helpers, and the checker runs each piece's own check before the assembly's
+    pieces: tuple[str, ...] = ()
 
 
 EXERCISES: dict[str, Exercise] = {}
