@@ -585,6 +585,14 @@ MUTATIONS = [
         ("tests/test_exercises_assemble_mp.py::test_a_wrong_tensor_parallel_block_is_named"
          "[input-detached]",),
     ),
+    Mutation(
+        "pipeline-assembled-judge-order-unchecked",
+        "the train_pipeline_1f1b checker counts each stage's messages but not their order (GPipe's "
+        "order, the same messages, passes)",
+        "dlab/exercises/model_parallel_assembled.py",
+        (("    if got != want:\n", "    if len(got) != len(want):\n"),),
+        ("tests/test_exercises_assemble_mp.py::test_a_wrong_pipeline_is_named[gpipe-order]",),
+    ),
 ]
 
 

@@ -133,6 +133,34 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
         "    return losses, {k: v.detach() for k, v in held.items()}\n",
         "rank 0, step 0's loss: expected 1.96503, got 1.70279: GeLU applied after the "
         "row-parallel sum"),
+    "train_pipeline_1f1b": (  # each micro-batch's loss not divided by their number
+        "def train_pipeline_1f1b(part, stage, batches, microbatches, act_shape, lr):\n"
+        "    losses = []\n    for x, y in batches:\n"
+        "        xs, ys = x.chunk(microbatches), y.chunk(microbatches)\n"
+        "        kept, sends, total = {}, [], 0.0\n"
+        "        for kind, i in one_f_one_b(stage, 2, microbatches):\n"
+        "            if kind == 'F' and stage == 0:\n"
+        "                out = part(xs[i])\n"
+        "                sends.append(dist.isend(out.detach(), dst=1))\n"
+        "                kept[i] = out\n"
+        "            elif kind == 'F':\n"
+        "                act = torch.empty(act_shape)\n                dist.recv(act, src=0)\n"
+        "                act.requires_grad_()\n"
+        "                loss = ((part(act) - ys[i]) ** 2).mean()\n"
+        "                kept[i] = (act, loss)\n                total += loss.item()\n"
+        "            elif stage == 0:\n"
+        "                grad = torch.empty(act_shape)\n                dist.recv(grad, src=1)\n"
+        "                kept.pop(i).backward(grad)\n"
+        "            else:\n"
+        "                act, loss = kept.pop(i)\n                loss.backward()\n"
+        "                sends.append(dist.isend(act.grad, dst=0))\n"
+        "        for work in sends:\n            work.wait()\n"
+        "        with torch.no_grad():\n            for p in part.parameters():\n"
+        "                p -= lr * p.grad\n                p.grad = None\n"
+        "        losses.append(total)\n"
+        "    return losses\n",
+        "step 0's loss: expected 0.798305, got 3.19322, 4 times the batch's mean: divide each "
+        "micro-batch's loss by the number of micro-batches (4)"),
 }
 
 
