@@ -40,7 +40,11 @@ OUTPUT = 'z = row_parallel_linear(torch.nn.functional.gelu(h), held["w2"], held[
 UPDATE = "                p -= lr * p.grad\n"
 
 TP_WRONG = {  # id: (edits or a whole source, what the report must say), default ones first
-    "input-detached": (
+    "input-detached": (  # the update skips a missing gradient: the collectives tell
+        [(FORWARD, FORWARD.replace('x @ held["w0"].T', '(x @ held["w0"].T).detach()')),
+         (UPDATE, line("if p.grad is not None:") + "    " + UPDATE)],
+        "rank 0, no all-reduce in backward over 4 steps: f's backward never ran, so w0"),
+    "input-detached-raises": (  # the update meets w0's missing gradient: the error is explained
         [(FORWARD, FORWARD.replace('x @ held["w0"].T', '(x @ held["w0"].T).detach()'))],
         "no all-reduce ran in backward: f's backward never ran, so w0"),
     "piece-wrong": (
