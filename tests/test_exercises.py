@@ -138,7 +138,63 @@ MISTAKES = {  # exercise: (a learner's typical wrong answer, what the report mus
                    "    return started\n",
                    "job C started ahead of job B, which waits for 4 GPUs: without backfill the "
                    "first job that does not fit holds the line"),
+    # the assembled exercises (their pieces, the reference's, go with them: ``with_pieces``)
+    "train_tp_mlp": (  # GeLU moved after the row-parallel sum
+        "def train_tp_mlp(params, batches, lr, rank, world_size):\n"
+        "    n = params['w1'].shape[0] // world_size\n    mine = slice(rank * n, (rank + 1) * n)\n"
+        "    held = {'w0': params['w0'], 'w1': params['w1'][mine], 'b1': params['b1'][mine],\n"
+        "            'w2': params['w2'][:, mine], 'b2': params['b2']}\n"
+        "    held = {k: v.clone().requires_grad_() for k, v in held.items()}\n"
+        "    losses = []\n    for x, y in batches:\n"
+        "        h = column_parallel_linear(x @ held['w0'].T, held['w1'], held['b1'])\n"
+        "        z = torch.nn.functional.gelu(row_parallel_linear(h, held['w2'], held['b2']))\n"
+        "        loss = ((z - y) ** 2).mean()\n        loss.backward()\n"
+        "        with torch.no_grad():\n            for p in held.values():\n"
+        "                p -= lr * p.grad\n                p.grad = None\n"
+        "        losses.append(loss.item())\n"
+        "    return losses, {k: v.detach() for k, v in held.items()}\n",
+        "rank 0, step 0's loss: expected 1.96503, got 1.70279: GeLU applied after the "
+        "row-parallel sum"),
+    "train_pipeline_1f1b": (  # each micro-batch's loss not divided by their number
+        "def train_pipeline_1f1b(part, stage, batches, microbatches, act_shape, lr):\n"
+        "    losses = []\n    for x, y in batches:\n"
+        "        xs, ys = x.chunk(microbatches), y.chunk(microbatches)\n"
+        "        kept, sends, total = {}, [], 0.0\n"
+        "        for kind, i in one_f_one_b(stage, 2, microbatches):\n"
+        "            if kind == 'F' and stage == 0:\n"
+        "                out = part(xs[i])\n"
+        "                sends.append(dist.isend(out.detach(), dst=1))\n"
+        "                kept[i] = out\n"
+        "            elif kind == 'F':\n"
+        "                act = torch.empty(act_shape)\n                dist.recv(act, src=0)\n"
+        "                act.requires_grad_()\n"
+        "                loss = ((part(act) - ys[i]) ** 2).mean()\n"
+        "                kept[i] = (act, loss)\n                total += loss.item()\n"
+        "            elif stage == 0:\n"
+        "                grad = torch.empty(act_shape)\n                dist.recv(grad, src=1)\n"
+        "                kept.pop(i).backward(grad)\n"
+        "            else:\n"
+        "                act, loss = kept.pop(i)\n                loss.backward()\n"
+        "                sends.append(dist.isend(act.grad, dst=0))\n"
+        "        for work in sends:\n            work.wait()\n"
+        "        with torch.no_grad():\n            for p in part.parameters():\n"
+        "                p -= lr * p.grad\n                p.grad = None\n"
+        "        losses.append(total)\n"
+        "    return losses\n",
+        "step 0's loss: expected 0.798305, got 3.19322, 4 times the batch's mean: divide each "
+        "micro-batch's loss by the number of micro-batches (4)"),
 }
+
+
+def with_pieces(name: str, source: str) -> str:
+    """``source`` after the reference solutions of the pieces ``name`` is assembled from (a
+    learner passes their own to ``check`` as helpers); ``source`` alone for other exercises."""
+    pieces = [(SOLUTIONS / f"{piece}.py").read_text() for piece in EXERCISES[name].pieces]
+    return "\n\n".join([*pieces, source])
+
+
+def solution(name: str) -> str:
+    return with_pieces(name, (SOLUTIONS / f"{name}.py").read_text())
 
 
 # Wrong answers whose results may be right: the checker must fail on the property the notebook
@@ -328,23 +384,16 @@ def test_every_exercise_has_a_solution_and_a_mistake():
 def test_the_checker_looks_at_every_rank(name, runs_dir):
     """A mistake that leaves rank 0 right is caught on the rank it breaks."""
     wrong, says = RANK_MISTAKES[name]
-    report = check(name, wrong, runs_dir=str(runs_dir))
+    report = check(name, with_pieces(name, wrong), runs_dir=str(runs_dir))
     assert not report.ok and says in report.message, report
-
-
-def with_uses(name: str, answer: str) -> str:
-    """An answer to an exercise that calls earlier exercises' functions (``Exercise.uses``:
-    train_zero1 calls zero1_step), sent with their reference solutions, as ``check`` sends the
-    learner's own."""
-    return "\n\n".join([*((SOLUTIONS / f"{u}.py").read_text() for u in EXERCISES[name].uses), answer])
 
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_the_checker_passes_the_solution_and_names_the_mistake(name, runs_dir):
-    solution = check(name, with_uses(name, (SOLUTIONS / f"{name}.py").read_text()), runs_dir=str(runs_dir))
-    assert solution.ok, solution
+    reference = check(name, solution(name), runs_dir=str(runs_dir))
+    assert reference.ok, reference
     wrong, says = MISTAKES[name]
-    report = check(name, with_uses(name, wrong), runs_dir=str(runs_dir))
+    report = check(name, with_pieces(name, wrong), runs_dir=str(runs_dir))
     assert not report.ok and says in report.message, report
     if "raised" in says:  # every rank raised: the report names one of them
         assert report.message.startswith("rank "), report
@@ -365,5 +414,5 @@ SAME_PATH_AS_ANOTHER = {("dispatch", 1)}  # point to point: judged as the all-ga
     for n, cases in sorted(PROPERTY_MISTAKES.items()) for i in range(len(cases))])
 def test_the_checker_fails_a_right_result_reached_the_wrong_way(name, case, runs_dir):
     wrong, says = PROPERTY_MISTAKES[name][case]
-    report = check(name, wrong, runs_dir=str(runs_dir))
+    report = check(name, with_pieces(name, wrong), runs_dir=str(runs_dir))
     assert not report.ok and says in report.message, report

@@ -17,7 +17,7 @@ import threading
 
 import pytest
 import torch
-from test_exercises import SOLUTIONS, with_uses
+from test_exercises import SOLUTIONS, with_pieces
 
 from dlab.exercises import EXERCISES, check
 
@@ -175,22 +175,22 @@ def on_threads(answer: str, world: int = 2) -> str | None:
 
 
 def test_the_reference_and_answers_written_otherwise_are_right():
-    assert on_threads(with_uses("train_zero1", (SOLUTIONS / "train_zero1.py").read_text())) is None
+    assert on_threads(with_pieces("train_zero1", (SOLUTIONS / "train_zero1.py").read_text())) is None
     for name, answer in RIGHT.items():
-        assert on_threads(with_uses("train_zero1", answer)) is None, name
+        assert on_threads(with_pieces("train_zero1", answer)) is None, name
 
 
 @pytest.mark.parametrize("name", sorted(WRONG))
 def test_each_mistake_is_named_with_what_to_change(name):
     wrong, says = WRONG[name]
-    said = on_threads(with_uses("train_zero1", wrong))
+    said = on_threads(with_pieces("train_zero1", wrong))
     assert said is not None and says in said, said
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RIGHT))
 def test_on_ranks_an_answer_written_otherwise_is_right(name, runs_dir):
-    report = check("train_zero1", with_uses("train_zero1", RIGHT[name]), runs_dir=str(runs_dir))
+    report = check("train_zero1", with_pieces("train_zero1", RIGHT[name]), runs_dir=str(runs_dir))
     assert report.ok, report
 
 
@@ -198,17 +198,17 @@ def test_on_ranks_an_answer_written_otherwise_is_right(name, runs_dir):
                                   for n in sorted(WRONG)])
 def test_on_ranks_each_mistake_fails_saying_what_to_change(name, runs_dir):
     wrong, says = WRONG[name]
-    report = check("train_zero1", with_uses("train_zero1", wrong), runs_dir=str(runs_dir))
+    report = check("train_zero1", with_pieces("train_zero1", wrong), runs_dir=str(runs_dir))
     assert not report.ok and says in report.message, report
 
 
 def test_it_says_when_zero1_step_is_missing_or_unwritten():
     """No rank starts: check reads the source it would send."""
-    assert EXERCISES["train_zero1"].uses == ("zero1_step",)
+    assert EXERCISES["train_zero1"].pieces == ("zero1_step",)
     body = (SOLUTIONS / "train_zero1.py").read_text()
     report = check("train_zero1", body)
-    assert not report.ok and "calls zero1_step, which was not sent with it: check('train_zero1', " \
-        "train_zero1, zero1_step)" in report.message, report
+    assert not report.ok and "calls zero1_step, which was not sent with it: pass it to check " \
+        "after train_zero1" in report.message, report
 
     def zero1_step(params, grads, lr, rank, world_size):
         raise NotImplementedError
@@ -217,4 +217,4 @@ def test_it_says_when_zero1_step_is_missing_or_unwritten():
         return zero1_step(model, batches, lr, rank, world_size)
 
     report = check("train_zero1", train_zero1, zero1_step)
-    assert report.message.startswith("not written yet: zero1_step, which train_zero1 calls"), report
+    assert report.message.startswith("not written yet: zero1_step, which train_zero1 uses"), report

@@ -19,7 +19,7 @@ exercise says "send/recv only", the collectives are taken away from ``dist`` on 
 the property taught is how the answer communicates (the ring's bytes per rank, ZeRO-1's
 reduce-scatter and all-gather), the exercise wraps ``dist``'s functions on the ranks to log what
 the answer called and sent, and the judge checks that too (``Exercise.watch``). An exercise that
-assembles a strategy from earlier ones calls the learner's own pieces (``Exercise.uses``), given
+assembles a strategy from earlier ones calls the learner's own pieces (``Exercise.pieces``), given
 to ``check`` after the function: ``check("train_zero1", train_zero1, zero1_step)``.
 
 Reference solutions live apart from the notebooks, in ``docs/instructor/solutions/`` (one file
@@ -42,6 +42,7 @@ from dlab.exercises import (  # noqa: F401 - they register the exercises
     gpu,
     local,
     model_parallel,
+    model_parallel_assembled,
     planning,
     precision,
     scheduling,
@@ -61,17 +62,19 @@ def check(name: str, fn: Callable | str, *helpers: Callable, runs_dir: str = "ru
     source = source_of(fn, helpers)
     fname = name if isinstance(fn, str) else fn.__name__
     if "raise NotImplementedError" in source:
-        before = [h.__name__ for h in helpers if getattr(h, "__name__", None) in ex.uses
-                  and "raise NotImplementedError" in source_of(h)]
-        if before and "raise NotImplementedError" not in source_of(fn):
-            return Report(name, False, f"not written yet: {before[0]}, which {fname} calls; "
-                                       f"write it and pass its own check first")
+        unwritten = [h.__name__ for h in helpers if "raise NotImplementedError" in source_of(h)]
+        if unwritten and "raise NotImplementedError" not in source_of(fn):
+            one = len(unwritten) == 1
+            return Report(name, False, f"not written yet: {', '.join(unwritten)}, which {fname} "
+                                       f"uses, still {'raises' if one else 'raise'} "
+                                       f"NotImplementedError; write and check "
+                                       f"{'it' if one else 'them'} first, then {ex.task}")
         return Report(name, False, f"not written yet: {ex.task}")
-    unsent = [u for u in ex.uses if re.search(rf"\b{u}\s*\(", source)
+    unsent = [u for u in ex.pieces if re.search(rf"\b{u}\s*\(", source)
               and not re.search(rf"^\s*def {u}\b", source, re.M)]
     if unsent:
-        return Report(name, False, f"{fname} calls {unsent[0]}, which was not sent with it: "
-                                   f"check({name!r}, {fname}, {', '.join(ex.uses)})")
+        return Report(name, False, f"{fname} calls {unsent[0]}, which was not sent with it: pass "
+                                   f"it to check after {fname}, as the exercise's cell does")
     if ex.ranks == 0:
         try:
             answer = ex.run(define(source, fname) if isinstance(fn, str) else fn)

@@ -275,7 +275,7 @@ def _mistaken(n: int):
                "run this rank's G/N rows through the model, the MSE loss and backward, pass the "
                "flattened gradient to your zero1_step and write the full parameters it returns "
                "back into the model; return this rank's losses, one a step",
-          run=run_train_zero1, watch=log_collectives, uses=("zero1_step",))
+          run=run_train_zero1, watch=log_collectives, pieces=("zero1_step",))
 def judge_train_zero1(answers):
     n = len(answers)
     batches = _train_batches()

@@ -32,9 +32,10 @@ class Exercise:
     # on a rank: (log) -> {dist function name: (original) -> wrapper that logs into ``log``};
     # the judge then gets (answer, log) per rank: what the answer did, not only what it returned
     watch: Callable | None = None
-    # earlier exercises whose functions the answer calls (an assembled strategy: train_zero1
-    # calls the learner's zero1_step), given to ``check`` after it and sent with it
-    uses: tuple[str, ...] = ()
+    # the exercises whose answers this one is assembled from (train_zero1 calls the learner's
+    # zero1_step): the learner passes their functions to ``check`` after the function, they are
+    # sent with it, and the checker may run each piece's own check before the assembly's
+    pieces: tuple[str, ...] = ()
 
 
 EXERCISES: dict[str, Exercise] = {}

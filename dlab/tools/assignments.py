@@ -9,7 +9,7 @@ assignment, ``source/<notebook>/<notebook>.ipynb``, whose cells per exercise are
   replaced by the body of the reference solution (``docs/instructor/solutions/NAME.py``) between
   nbgrader's ``### BEGIN SOLUTION`` / ``### END SOLUTION``: the solution cell,
 - the notebook's ``check(...)`` call, asserting the report: the locked autograder cell (an
-  exercise that calls an earlier one's function, ``Exercise.uses``, gets the learner's own from
+  exercise that calls an earlier one's function, ``Exercise.pieces``, gets the learner's own from
   that exercise's solution cell above it);
 
 with a locked setup cell on top (``check``, and ``torch``, ``dist`` and ``math``: the names
@@ -105,7 +105,7 @@ def assignments(repo: Path = REPO) -> list[Assignment]:
         if ex.notebook not in out:
             out[ex.notebook] = Assignment(ex.notebook, _title(cells, ex.notebook))
         earlier = [p.exercise.name for p in out[ex.notebook].parts]
-        missing = [u for u in ex.uses if u not in earlier]
+        missing = [u for u in ex.pieces if u not in earlier]
         if missing:  # the learner's own function is defined by an earlier solution cell
             raise AssignmentError(f"exercise {ex.name} calls {missing[0]}: register {missing[0]} "
                                   f"for notebook {ex.notebook} before it")
