@@ -91,4 +91,48 @@ SLOW_BY_HAND = {
     "tests/test_exercises.py::test_the_checker_passes_the_solution_and_names_the_mistake[zero1_step]":
         "[train_zero1], which runs the reference zero1_step on every step, and "
         "test_exercises_assemble_dp's mistakes",
+    "tests/test_exercises.py::test_the_checker_looks_at_every_rank[bucketed_ddp]":
+        'test_the_checker_fails_a_right_result_reached_the_wrong_way[bucketed_ddp-0]',
+    "tests/test_exercises.py::test_the_checker_looks_at_every_rank[column_parallel_linear]":
+        "[train_tp_mlp] (runs this piece's own check first)",
+    "tests/test_exercises.py::test_the_checker_looks_at_every_rank[zero1_step]":
+        '[train_zero1] and test_exercises_assemble_dp',
+    "tests/test_exercises.py::test_the_checker_looks_at_every_rank[zero3_forward]":
+        'test_the_checker_passes_the_solution_and_names_the_mistake[zero3_forward]',
+    "tests/test_exercises.py::test_the_checker_passes_the_solution_and_names_the_mistake[column_parallel_linear]":
+        "[train_tp_mlp], which sends this piece's reference and checks it first",
+    "tests/test_exercises.py::test_the_checker_passes_the_solution_and_names_the_mistake[row_parallel_linear]":
+        "[train_tp_mlp], which sends this piece's reference and checks it first",
+    "tests/test_exercises.py::test_the_checker_passes_the_solution_and_names_the_mistake[dispatch]":
+        'test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-0]',
+    "tests/test_exercises.py::test_the_checker_passes_the_solution_and_names_the_mistake[bucketed_ddp]":
+        'test_the_checker_fails_a_right_result_reached_the_wrong_way[bucketed_ddp-0] and [-1]',
+    "tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[row_parallel_linear-1]":
+        '[row_parallel_linear-0] (the same collective count)',
+    "tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[row_parallel_linear-2]":
+        '[row_parallel_linear-0] (the same collective count)',
+    "tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-2]":
+        '[dispatch-0] (the same count of rows that leave)',
+    "tests/test_exercises.py::test_the_checker_fails_a_right_result_reached_the_wrong_way[dispatch-3]":
+        '[dispatch-0] (the same count of rows that leave)',
+    "tests/test_compression.py::test_bytes_per_step_are_the_formulas":
+        "test_formulas_by_hand and notebook 13's compression section (bytes beside the formula)",
+    "tests/test_compression.py::test_powersgd_and_topk_train_as_their_rules":
+        "notebook 13's compression section, which trains each",
+    "tests/test_compression.py::test_loss_stays_near_uncompressed":
+        "notebook 13's compression section",
+    "tests/test_compression.py::test_compressed_buckets_overlap_backward":
+        "test_data_parallel's bucket overlap (the same hooks)",
+    "tests/test_compression.py::test_state_is_counted_as_comm_buffers":
+        'test_formulas_by_hand',
+    "tests/test_checkpoint.py::test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts":
+        "test_nd_checkpoint's pp2_dp2_zero2 resharding and notebook 12's 4 -> 2 -> 1",
+    "tests/test_stragglers_preemption.py::test_backup_workers_drop_the_straggler_and_follow_their_rule":
+        "notebook 13 §2's checked cell (N - b = 3 gradients a step, never the straggler's)",
+    "tests/test_context_parity.py::test_cp_times_dp_trains_like_single":
+        "[ring-zigzag-2] and test_nd_parity's data-parallel layouts",
+    "tests/test_launch.py::test_two_runs_at_once_do_not_collide":
+        'test_run_directory_holds_the_contract',
+    "tests/test_pipeline_parity.py::test_schedule_matches_single[gpipe-2]":
+        '[1f1b-2] (the same executor and its list of actions)',
 }

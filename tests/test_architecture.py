@@ -15,6 +15,7 @@ The table of layers is the one in CONTRIBUTING.md.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -186,3 +187,12 @@ def _without_magics(source: str) -> str:
     """A cell's Python: IPython's magics and shell escapes (``%``, ``!``) blanked out."""
     return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
                      for line in source.splitlines())
+
+
+def test_no_test_imports_conftest():
+    """tests/ and tests/browser each have a conftest.py; a test that imports ``conftest`` gets
+    whichever pytest imported last, so shared helpers live in tests/helpers.py."""
+    tests = Path(__file__).resolve().parent
+    importing = [p.name for p in tests.rglob("test_*.py")
+                 if re.search(r"^\s*(from conftest import|import conftest\b)", p.read_text(), re.M)]
+    assert not importing, f"import from helpers, not conftest: {importing}"

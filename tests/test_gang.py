@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import processes_of
+from helpers import processes_of
 
 from dlab.core.config import ConfigError
 from dlab.procs import gang
