@@ -45,6 +45,17 @@ from dlab.models.gpt import GPT, GPTConfig
 OPTIMIZERS = ("adam", "sgd")
 
 
+def _check_arguments(cfg: GPTConfig, optimizer: str, loss_weight: float) -> None:
+    """What both trainers refuse before building anything."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be 'adam' or 'sgd' (got {optimizer!r})")
+    if not loss_weight > 0:
+        raise ValueError(f"loss_weight must be positive (got {loss_weight})")
+    problems = cfg.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 class MixedPrecisionTrainer:
     """A GPT trained on one device in ``precision`` (a name of ``PRECISIONS``) with Adam or plain
     SGD, gradients accumulated over the micro-batches ``step`` is given, the loss scaled by
@@ -56,13 +67,7 @@ class MixedPrecisionTrainer:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))} "
                              f"(got {precision!r})")
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be 'adam' or 'sgd' (got {optimizer!r})")
-        if not loss_weight > 0:
-            raise ValueError(f"loss_weight must be positive (got {loss_weight})")
-        problems = cfg.problems()
-        if problems:
-            raise ValueError("; ".join(problems))
+        _check_arguments(cfg, optimizer, loss_weight)
         self.precision, self.scaler, self.loss_weight = PRECISIONS[precision], scaler, loss_weight
         torch.manual_seed(seed)
         self.model = GPT(cfg)
@@ -161,13 +166,7 @@ class AutocastTrainer:
             raise ValueError(f"AutocastTrainer computes in 'bf16' or 'fp16' (got {precision!r}): "
                              f"its gradients are fp32 in any case (the parameters are), and an "
                              f"fp32 run is MixedPrecisionTrainer(cfg, 'fp32')")
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be 'adam' or 'sgd' (got {optimizer!r})")
-        if not loss_weight > 0:
-            raise ValueError(f"loss_weight must be positive (got {loss_weight})")
-        problems = cfg.problems()
-        if problems:
-            raise ValueError("; ".join(problems))
+        _check_arguments(cfg, optimizer, loss_weight)
         self.precision, self.scaler, self.loss_weight = PRECISIONS[precision], scaler, loss_weight
         torch.manual_seed(seed)
         self.model = GPT(cfg)  # fp32, and it stays so: autocast casts per operator
