@@ -613,7 +613,7 @@ MUTATIONS = [
         "tp-assembled-judge-calls-unchecked",
         "the train_tp_mlp checker leaves the collectives uncounted (a block whose input skips f "
         "is then judged by its losses alone)",
-        "dlab/exercises/model_parallel_assembled.py",
+        "dlab/exercises/tp_assembled.py",
         (("        wrong = _tp_calls(a[\"calls\"])\n", "        wrong = None\n"),),
         ("tests/test_exercises_assemble_mp.py::test_a_wrong_tensor_parallel_block_is_named"
          "[input-detached]",),
@@ -622,7 +622,7 @@ MUTATIONS = [
         "pipeline-assembled-judge-order-unchecked",
         "the train_pipeline_1f1b checker counts each stage's messages but not their order (GPipe's "
         "order, the same messages, passes)",
-        "dlab/exercises/model_parallel_assembled.py",
+        "dlab/exercises/pipeline_assembled.py",
         (("    if got != want:\n", "    if len(got) != len(want):\n"),),
         ("tests/test_exercises_assemble_mp.py::test_a_wrong_pipeline_is_named[gpipe-order]",),
     ),

@@ -1,4 +1,4 @@
-"""The assembled model-parallel exercises (``dlab.exercises.model_parallel_assembled``): a
+"""The assembled model-parallel exercises (``dlab.exercises.tp_assembled`` and ``pipeline_assembled``): a
 tensor-parallel MLP block from the learner's ``column_parallel_linear`` and
 ``row_parallel_linear`` (07), a 2-stage 1F1B pipeline from their ``one_f_one_b`` (06). Their
 reference solutions and one typical mistake each are ``tests/test_exercises.py``'s; here, the

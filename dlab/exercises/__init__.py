@@ -42,10 +42,11 @@ from dlab.exercises import (  # noqa: F401 - they register the exercises
     gpu,
     local,
     model_parallel,
-    model_parallel_assembled,
+    pipeline_assembled,
     planning,
     precision,
     scheduling,
+    tp_assembled,
 )
 from dlab.exercises.registry import COLLECTIVES, EXERCISES, Exercise, Report, define, source_of
 from dlab.procs.spawn import spawn
