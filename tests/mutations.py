@@ -626,6 +626,16 @@ MUTATIONS = [
         (("    if got != want:\n", "    if len(got) != len(want):\n"),),
         ("tests/test_exercises_assemble_mp.py::test_a_wrong_pipeline_is_named[gpipe-order]",),
     ),
+    Mutation(
+        "teardown-signal-makes-any-rank-a-casualty",
+        "the diagnosis takes every rank torchrun signalled at the teardown for its casualty, one "
+        "that had already exited with its own code included",
+        "dlab/analysis/diagnose.py",
+        (("                               pid is not None and int(code) in closed.get(int(pid), ()))\n",
+          "                               pid is not None and int(pid) in closed)\n"),),
+        ("tests/test_faults.py::test_a_rank_that_exited_on_its_own_is_named_though_the_teardown_"
+         "signalled_it",),
+    ),
 ]
 
 

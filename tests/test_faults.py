@@ -188,10 +188,10 @@ Root Cause (first observed failure):
 """
 
 
-def _run_with(tmp_path, torchrun_log: str, reports: dict) -> dlab.RunFailed:
+def _run_with(tmp_path, torchrun_log: str, reports: dict, world_size: int = 2) -> dlab.RunFailed:
     run_dir = tmp_path / "run"
     (run_dir / "ranks").mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps({"world_size": 2, "steps": 10}))
+    (run_dir / "config.json").write_text(json.dumps({"world_size": world_size, "steps": 10}))
     (run_dir / "torchrun.log").write_text(torchrun_log)
     for r, report in reports.items():
         (run_dir / "ranks" / f"rank{r}.json").write_text(json.dumps({"rank": r, **report}))
@@ -217,6 +217,45 @@ def test_the_rank_killed_first_is_named_not_one_that_failed_after_it(tmp_path, r
     err = _run_with(tmp_path, TORN_DOWN_AFTER_A_KILL, {0: rank0} if rank0 else {})
     assert err.rank == 1 and err.exit_code == -9, str(err)
     assert str(err).startswith("rank 1 of 2 was killed by SIGKILL"), str(err)
+
+
+#: torchrun's log (torch 2.13, one core busy) after rank 3 exited with code 3 at step 1: the
+#: others' reads failed first, torchrun saw rank 1 fail first and sent its closing SIGTERM to
+#: every rank it still listed, rank 3 among them, which had already exited on its own
+SIGNALLED_AFTER_ITS_OWN_EXIT = """\
+W1128 01:18:50.702000 31163 torch/.../api.py:1028] Sending process 31167 closing signal SIGTERM
+W1128 01:18:50.703000 31163 torch/.../api.py:1028] Sending process 31169 closing signal SIGTERM
+W1128 01:18:50.703000 31163 torch/.../api.py:1028] Sending process 31170 closing signal SIGTERM
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  time      : 2026-11-28_01:18:50
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 31167)
+[2]:
+  time      : 2026-11-28_01:18:50
+  rank      : 2 (local_rank: 2)
+  exitcode  : 1 (pid: 31169)
+[3]:
+  time      : 2026-11-28_01:18:50
+  rank      : 3 (local_rank: 3)
+  exitcode  : 3 (pid: 31170)
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_01:18:50
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 31168)
+"""
+
+
+def test_a_rank_that_exited_on_its_own_is_named_though_the_teardown_signalled_it(tmp_path):
+    """A closing signal makes a rank a casualty only when the signal is what ended it (its exit
+    code is the signal's): rank 3 exited with code 3 before torchrun's SIGTERM reached it, and
+    the others' errors are a peer's symptoms, so rank 3 is the cause (it was reported as rank 1)."""
+    reset = {"ok": False, "exception": "RuntimeError", "time": _when("2026-11-28_01:18:50") + 0.66,
+             "message": "[pair.cc:537] Read error [127.0.0.1]:1922: Connection reset by peer"}
+    err = _run_with(tmp_path, SIGNALLED_AFTER_ITS_OWN_EXIT, {0: reset, 1: reset, 2: reset}, 4)
+    assert err.rank == 3 and err.exit_code == 3, str(err)
 
 
 class _Shard:

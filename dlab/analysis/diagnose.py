@@ -30,8 +30,11 @@ PEER_GONE = ("connection closed", "connection reset", "broken pipe", "timed out"
 #: one entry of torchrun's failure table (its time is torchrun's local time, to the second)
 _TORCHRUN_FAILURE = re.compile(r"(?:time\s*:\s*(\S+)\s*\n[^\n]*\n\s*)?rank\s*:\s*(\d+)\s*"
                                r"\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?")
-#: torchrun's agent tearing the ranks down after a failure (it logs each pid it signals)
-_CLOSING = re.compile(r"Sending process (\d+) closing signal")
+#: torchrun's agent tearing the ranks down after a failure (it logs each pid it signals, and with
+#: which signal)
+_CLOSING = re.compile(r"Sending process (\d+) closing signal (SIG[A-Z]+)")
+#: and the SIGKILL that follows when a rank ignores the closing SIGTERM
+_FORCED = re.compile(r"Unable to shutdown process (\d+) via \d+,\s*forcefully exiting via (\d+)")
 _FIRST = "Root Cause (first observed failure)"
 
 
@@ -94,19 +97,26 @@ class Ended:
     exit_code: int
     seen: float  # when torchrun saw it end (seconds since the epoch, to the second; inf: not said)
     first: bool  # torchrun's "Root Cause (first observed failure)"
-    torn_down: bool  # torchrun sent it its closing signal before it ended: a casualty
+    # torchrun's closing signal ended it: a casualty. It sends that signal to every rank it still
+    # lists, including one that has just exited on its own (torchrun had not seen it yet): that
+    # rank's exit code is its own, not the signal's, and it stays a cause
+    torn_down: bool
 
 
 def torchrun_failures(run: RunDir) -> dict[int, Ended]:
     """The failed ranks of torchrun's failure table, by rank."""
     text = _read(run / "torchrun.log")
-    closed = {int(pid) for pid in _CLOSING.findall(text)}
+    closed: dict[int, set[int]] = {}  # pid: the exit codes torchrun's signals to it would give
+    for pid, name in _CLOSING.findall(text):
+        closed.setdefault(int(pid), set()).add(-getattr(signal, name, signal.SIGTERM))
+    for pid, number in _FORCED.findall(text):
+        closed.setdefault(int(pid), set()).add(-int(number))
     first_at = text.find(_FIRST)
     out = {}
     for m in _TORCHRUN_FAILURE.finditer(text):
         when, rank, code, pid = m.groups()
         out[int(rank)] = Ended(int(code), _seconds(when), 0 <= first_at < m.start(),
-                               pid is not None and int(pid) in closed)
+                               pid is not None and int(code) in closed.get(int(pid), ()))
     return out
 
 
