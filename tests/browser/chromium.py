@@ -21,10 +21,17 @@ def free_port() -> int:
 
 
 def wait(what, timeout: float, every: float = 0.25):
-    """``what()``'s first truthy value, polled every ``every`` seconds for ``timeout``."""
+    """``what()``'s first truthy value, polled every ``every`` seconds for ``timeout``. An element
+    the page replaced while ``what`` read it (a figure redrawn, on a busy machine between finding
+    the image and reading it) counts as not yet: the next poll finds the new one."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        got = what()
+        try:
+            got = what()
+        except StaleElementReferenceException:
+            got = None
         if got:
             return got
         time.sleep(every)
