@@ -290,7 +290,7 @@ MUTATIONS = [
     Mutation(
         "zero3-judge-rank0-only",
         "the zero3_forward checker looks at rank 0's gathered parameters only",
-        "dlab/exercises/data_parallel.py",
+        "dlab/exercises/zero.py",
         (("    for r, (_, log) in enumerate(answers):\n        one =",
           "    for r, (_, log) in enumerate(answers[:1]):\n        one ="),),
         ("tests/test_exercises.py::test_the_checker_looks_at_every_rank[zero3_forward]",),
@@ -584,7 +584,7 @@ MUTATIONS = [
         "zero1-train-judge-final-unchecked",
         "the train_zero1 checker compares every step's loss but not the final parameters, which "
         "no loss sees after the last step",
-        "dlab/exercises/data_parallel.py",
+        "dlab/exercises/zero.py",
         (("    for r, (got, _) in enumerate(answers):\n        final = got[\"params\"]\n",
           "    for r, (got, _) in enumerate(answers[:0]):\n        final = got[\"params\"]\n"),),
         ("tests/test_exercises_assemble_dp.py::test_each_mistake_is_named_with_what_to_change"

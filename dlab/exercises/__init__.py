@@ -47,6 +47,7 @@ from dlab.exercises import (  # noqa: F401 - they register the exercises
     precision,
     scheduling,
     tp_assembled,
+    zero,
 )
 from dlab.exercises.registry import COLLECTIVES, EXERCISES, Exercise, Report, define, source_of
 from dlab.procs.spawn import spawn

@@ -7,7 +7,7 @@ pass their own checks first, so a report about the assembly is about the assembl
 result is named, where it can be, by the one-process variant of a typical mistake it equals
 (GeLU after the sum, unscaled micro-batch losses, ...). The assemblies: ``tp_assembled``
 (``train_tp_mlp``, 07), ``pipeline_assembled`` (``train_pipeline_1f1b``, 06), and
-``data_parallel``'s ``train_zero1`` (05)."""
+``zero``'s ``train_zero1`` (05)."""
 from __future__ import annotations
 
 from dlab.exercises.registry import first_difference
