@@ -636,6 +636,15 @@ MUTATIONS = [
         ("tests/test_faults.py::test_a_rank_that_exited_on_its_own_is_named_though_the_teardown_"
          "signalled_it",),
     ),
+    Mutation(
+        "registry-reads-the-top-level-only",
+        "the strategy registry reads @register in dlab/parallel's own files and not its "
+        "subpackages'",
+        "dlab/parallel/__init__.py",
+        (("root.rglob(\"*.py\")", "root.glob(\"*.py\")"),),
+        ("tests/test_registry.py::test_the_names_read_from_the_sources_are_the_names_importing_"
+         "registers",),
+    ),
 ]
 
 

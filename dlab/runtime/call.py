@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         with rank.process_group("nccl" if nccl else "gloo", args.timeout, args.threads, device):
             run_call(run, me.rank)
 
-    rank.serve(writer, args.timeout, body)
+    # the body runs the caller's code: the interpreter's own exit closes its files and threads
+    rank.serve(writer, args.timeout, body, fast_exit=False)
 
 
 if __name__ == "__main__":
