@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 #: cases ``make test`` leaves to ``make test-slow`` to stay within its 35 minutes on 2 cores
-#: (measured 2026-11-28: 1,861 default tests took 28.8 min, the notebooks 14 more), each with
-#: what stands for it in the default run: the same code path, checked faster
+#: (measured on 2026-11-28, idle: the default tests took 28.8 min and the notebooks 20.4 before
+#: the first 62 cases here moved, 19 and 17.8 min after, with faster launches), each with what
+#: stands for it in the default run: the same code path, checked faster
 SLOW_BY_HAND = {
     # the exercises' checkers at 4 ranks: test_the_checker_looks_at_every_rank runs each on a
     # wrong answer by default; the reference solutions pass in test_assignments' slow grid too
@@ -135,4 +136,15 @@ SLOW_BY_HAND = {
         'test_run_directory_holds_the_contract',
     "tests/test_pipeline_parity.py::test_schedule_matches_single[gpipe-2]":
         '[1f1b-2] (the same executor and its list of actions)',
+    "tests/test_expert_dispatch.py::test_expert_parallel_layer_equals_the_whole_layer[2-1]":
+        "[2-2] and [4-2] (the same exchange, top-2)",
+    "tests/test_nd_parity.py::test_pipeline_and_zero_on_two_ranks_train_like_single[{'dp': 2, 'zero': 1}]":
+        "[{'dp': 2, 'zero': 2}] (the same sharded optimizer step) and test_zero's zero1 case",
+    "tests/test_nd_precision.py::test_adam_bytes_are_the_zero_papers[bf16-2-2]":
+        "[bf16-fp32-grads-2-4] (the same count, four ranks)",
+    "tests/test_exercises.py::test_the_checker_passes_the_solution_and_names_the_mistake[train_pipeline_1f1b]":
+        "test_exercises_assemble_mp's test_a_pipeline_with_isend_irecv_and_a_batched_exchange_passes "
+        "(a right answer through check on ranks) and test_a_wrong_pipeline_is_named",
+    "tests/test_exercises_assemble_mp.py::test_a_wrong_tensor_parallel_block_is_named[input-detached]":
+        "[piece-wrong] and test_exercises' [train_tp_mlp] (the reference and a mistake on ranks)",
 }

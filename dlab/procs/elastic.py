@@ -33,7 +33,6 @@ Settings, and why:
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ import psutil
 
 from dlab.core.config import ConfigError, RunConfig
 from dlab.core.rundir import JsonlTail
-from dlab.procs.launch import agent_log_dir, check_runs_dir, new_run_dir
+from dlab.procs.launch import TORCHRUN, agent_log_dir, check_runs_dir, new_run_dir
 from dlab.procs.process import (
     binds_its_port,
     free_port,
@@ -90,7 +89,7 @@ def rehearse(strategy: str = "ddp", agents: int = 2, nproc: int = 2, *, lose_at:
     with new_run_dir(runs_dir, cfg.name or f"{strategy}-elastic-{full}-{small}") as run_dir:
         cfg.save(run_dir / "config.json")
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{agents}",
+    cmd = [*TORCHRUN, f"--nnodes=1:{agents}",
            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            f"--rdzv-id={run_dir.path.name}", f"--rdzv-conf={RDZV_CONF}",
            f"--max-restarts={MAX_RESTARTS}", "--monitor-interval=0.1",

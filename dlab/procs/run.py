@@ -90,7 +90,18 @@ class Run(RunView):
             if deadline and time.monotonic() > deadline:
                 self.stop(reason="timeout")
                 raise TimeoutError(f"run {self.path} did not finish within {timeout} s; stopped it")
-            time.sleep(poll)
+            self._pause(poll)
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep until the next poll, or until torchrun exits if that comes first (a sleep
+        would leave a finished run waiting for the rest of its poll, 0.1 s on average)."""
+        if self.proc is None:
+            time.sleep(seconds)
+            return
+        try:
+            self.proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            pass
 
     def wait(self, timeout: float | None = None, progress: bool = False, poll: float = 0.2,
              on_poll=None, stop_requested=None) -> Run:
