@@ -31,7 +31,7 @@ def register(name: str):
 @functools.cache
 def declared() -> dict[str, str]:
     """Strategy name -> the module that registers it, read from every ``@register("...")`` on a
-    class in the package's sources (parsed, not imported: about 50 ms)."""
+    class in the package's sources (parsed, not imported: 0.1 s on the 2-core machine)."""
     found: dict[str, str] = {}
     root = Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
