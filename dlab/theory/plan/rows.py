@@ -116,6 +116,11 @@ BIGSCIENCE = Source("bigscience", "bigscience-workshop/bigscience at e726b15 (20
                     "85376) and chronicles-prequel.md ('48 node contenders' and 'Final round "
                     "comparison' tables, 2022-02-21/23): Megatron-DeepSpeed on Jean Zay's A100s",
                     "BigScience (BLOOM) 2022")
+NARAYANAN_ZERO = Source("narayanan2021-zero3", "Narayanan et al. 2021, Efficient Large-Scale "
+                        "Language Model Training on GPU Clusters Using Megatron-LM (SC'21), table 2: "
+                        "ZeRO-3 without model parallelism (DeepSpeed) against PTD-P at a fixed "
+                        "batch as the GPUs double, GPT 174.6B and 529.6B on DGX A100s",
+                        "Narayanan et al. 2021, table 2")
 MTNLG = Source("mt-nlg", "Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing "
                "NLG 530B (arXiv 2201.11990), sec. 2.4: batch 1920 on 280, 350 and 420 DGX A100 "
                "nodes, 60.1, 50.2 and 44.4 s an iteration, 126, 121 and 113 teraFLOP/s per GPU",
@@ -152,6 +157,27 @@ def _narayanan(name, layers, hidden, heads, tp, pp, gpus, batch, tflops) -> Publ
                      batch, 2048, "tflops_per_gpu", tflops, "megatron-lm-2021", "megatron",
                      "micro-batch 1 and v = 2 (not in the table); 16-bit gradients reduced",
                      alternatives=_other_micro(pp))
+
+
+def _zero3_or_ptdp(scheme, size, gpus, batch, micro, tflops) -> Published:
+    """A row of Narayanan et al.'s table 2: GPT 174.6B (96 layers, width 12288, 96 heads) or
+    529.6B (105, 20480, 128), sequence 2048, vocabulary 51200, full recomputation, their FLOPs
+    count. "ZeRO-3": DeepSpeed's stage 3 over every GPU (its 2021 release) at the table's
+    micro-batch, one per step; "PTD-P": Megatron-LM with the table's model-parallel size (96:
+    tp 8 x pp 12; 280: tp 8 x pp 35) and the interleaved schedule."""
+    shape = {175: ("GPT 174.6B", 96, 12288, 96), 530: ("GPT 529.6B", 105, 20480, 128)}[size]
+    if scheme == "ZeRO-3":
+        lay = PlanLayout(dp=gpus, zero=3, micro_batch=micro, recompute="full", precision="bf16",
+                         attention="math")
+        return Published(NARAYANAN_ZERO, megatron_gpt(*shape), "a100-80gb", lay, batch, 2048,
+                         "tflops_per_gpu", tflops, "deepspeed-zero3-2021", "megatron",
+                         "DeepSpeed's ZeRO-3 defaults of 2021 (the paper names none)")
+    pp = 12 if size == 175 else 35
+    lay = PlanLayout(dp=gpus // (8 * pp), tp=8, pp=pp, micro_batch=micro, recompute="full",
+                     schedule="interleaved", virtual_stages=2, precision="bf16", attention="math")
+    return Published(NARAYANAN_ZERO, megatron_gpt(*shape), "a100-80gb", lay, batch, 2048,
+                     "tflops_per_gpu", tflops, "megatron-lm-2021", "megatron",
+                     "v = 2 (not in the table)", alternatives=_other_v(pp))
 
 
 def _korthikanti(name, layers, hidden, heads, pp, gpus, batch, micro, full_s, present_s,
@@ -346,6 +372,13 @@ ROWS = [
     *(_bigscience("BLOOM 177B", 96, 12288, 64, 8, 8, 6, mb, 2048, sec, "chronicles-prequel: "
                   "'Final round comparison', the second iteration")
       for mb, sec in ((2, 136.73), (4, 122.96))),
+    *(_zero3_or_ptdp(*row) for row in (
+        ("ZeRO-3", 175, 384, 1536, 4, 144), ("ZeRO-3", 175, 768, 1536, 2, 88),
+        ("ZeRO-3", 175, 1536, 1536, 1, 44), ("ZeRO-3", 530, 640, 2560, 4, 138),
+        ("ZeRO-3", 530, 1120, 2240, 2, 98), ("ZeRO-3", 530, 2240, 2240, 1, 48),
+        ("PTD-P", 175, 384, 1536, 1, 153), ("PTD-P", 175, 768, 1536, 1, 149),
+        ("PTD-P", 175, 1536, 1536, 1, 141), ("PTD-P", 530, 560, 2240, 1, 171),
+        ("PTD-P", 530, 1120, 2240, 1, 167), ("PTD-P", 530, 2240, 2240, 1, 159))),
     _mtnlg(280, 126),
     _mtnlg(350, 121),
     _mtnlg(420, 113),
