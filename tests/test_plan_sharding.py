@@ -4,7 +4,8 @@ score it had before anything was changed with it in view.
 
 Each expected figure is counted here from the model's shapes or the cluster's published
 constants (a ring's n-1 steps at 5 us across nodes, 192 GB/s for eight members a node, a host
-operation at a kernel's 3 us launch), apart from the code it checks.
+operation at the dispatcher's 3.3 us and a kernel's 3 us launch), apart from the code it
+checks.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from dlab.models.gpt import GPT, GPTConfig
 from dlab.plan import PlanLayout, clusters, models, plan, published, stacks
 from dlab.theory.plan import time as tm
-from dlab.theory.plan.memory import buffers, layer_bytes, op_policy_kept
+from dlab.theory.plan.memory import buffers, layer_bytes, op_policy_kept, rank_params
 from dlab.theory.plan.rows import ROWS
 from dlab.theory.plan.spec import from_gpt, megatron_gpt
 from dlab.theory.plan.stacks import Sharding
@@ -29,6 +30,10 @@ LLAMA8 = models.preset("llama3-8b")
 H, KV, F, V, L = 4096, 1024, 14336, 128256, 32
 LAYER = 2 * H * H + 2 * H * KV + 3 * H * F  # Q, O; K, V; gate, up, down
 ALPHA, LAUNCH, BUSBW = 5e-6, 3e-6, 8 * 24e9  # across DGX A100 nodes; a launch; 8 HDR NICs
+DISPATCH = 3.3e-6  # PyTorch's dispatcher, one operation (pytorch/pytorch#32194)
+GPT3 = megatron_gpt("GPT-3 175B", 96, 12288, 96)
+#: GPT-3 175B's four matrices a layer (QKV, projection, MLP in, MLP out), in forward order
+BIG = (3 * 12288 * 12288, 12288 * 12288, 4 * 12288 * 12288, 4 * 12288 * 12288)
 
 
 def _module_count(cfg: GPTConfig) -> int:
@@ -94,20 +99,88 @@ def test_a_zero3_step_whose_window_is_shorter_than_its_gathers_exposes_the_diffe
 
 def test_a_stack_that_gathers_per_tensor_pays_each_collectives_latency():
     """GPT-3 175B over 1,536 GPUs, DeepSpeed 2021's way (each tensor of 1e5 elements or more
-    gathered alone, the host waiting for the device first) against one gather a layer: the same
-    bytes, but each of a layer's four big matrices (QKV, projection, MLP in and out; its biases
-    and norms stay gathered) pays a 1,535-step ring's latency and the host's work (6 operations
-    and, for the list of one tensor per rank, 2 per rank) in each of the 96 forward and 95
-    backward gathers of a micro-batch."""
-    gpt3, k = megatron_gpt("GPT-3 175B", 96, 12288, 96), 1536
+    gathered alone, the host waiting for the device first, nothing hidden here) against one
+    gather a layer: the same bytes, but each of a layer's four big matrices (QKV, projection,
+    MLP in and out; its biases and norms stay gathered) pays a 1,535-step ring's latency and the
+    host's work (6 operations, and for the list of one tensor per rank 2 views per rank) in
+    each of the 96 forward and 95 backward gathers of a micro-batch."""
+    k = 1536
     lay = PlanLayout(dp=k, zero=3, micro_batch=1, recompute="full", attention="math")
     one = dict(reduce="block", persist=1e5, host_ops=6, rank_ops=2, blocking=True)
-    per_tensor = plan(gpt3, A100, lay, k, 2048, _stack("deepspeed-zero3-2021", gather="tensor", **one))
-    per_layer = plan(gpt3, A100, lay, k, 2048, _stack("deepspeed-zero3-2021", gather="block", **one))
-    each = (k - 1) * ALPHA + LAUNCH * (6 + 2 * k)
+
+    def ds(**sharding):
+        return dataclasses.replace(_stack("deepspeed-zero3-2021", **sharding), params=0.0)
+
+    per_tensor = plan(GPT3, A100, lay, k, 2048, ds(gather="tensor", **one))
+    per_layer = plan(GPT3, A100, lay, k, 2048, ds(gather="block", **one))
+    each = (k - 1) * ALPHA + (DISPATCH + LAUNCH) * 6 + DISPATCH * 2 * k
     assert per_tensor.time["data_comm"] - per_layer.time["data_comm"] == pytest.approx(
         (96 + 95) * (4 - 1) * each, rel=1e-9)
     assert per_tensor.sent["data"] == pytest.approx(per_layer.sent["data"], rel=1e-12)
+    copied = plan(GPT3, A100, lay, k, 2048, ds(gather="tensor", rank_kernels=1, **one))
+    # each rank's piece copied: a launch on the host and a kernel on the device, per gather
+    assert copied.time["data_comm"] - per_tensor.time["data_comm"] == pytest.approx(
+        (96 + 95) * 4 * 2 * k * LAUNCH, rel=1e-9)
+
+
+def test_module_hooks_gather_again_for_a_recomputed_forward_and_keep_what_is_reused_soon():
+    """DeepSpeed's hooks fire inside the checkpointed forward: under full recomputation each of
+    GPT-3 175B's 96 layers gathers its four matrices a third time, and backward then gathers
+    again those whose next use lies 1e9 elements or more of other gathered weights away: the
+    layer's later matrices twice (their recomputed forward, their backward), so QKV, the
+    projection and the MLP's first matrix, not the MLP's second (nothing in between). Without
+    recomputation in its hooks, backward gathers all four in 95 layers. Counted in bytes sent."""
+    k = 768
+    lay = PlanLayout(dp=k, zero=3, micro_batch=2, recompute="full", attention="math")
+    base = dict(gather="tensor", reduce="tensor", persist=1e5, blocking=True)
+    hooks = plan(GPT3, A100, lay, 2 * k, 2048, _stack("deepspeed-zero3-2021", recompute_gathers=True,
+                                                      reuse=1e9, **base))
+    plain = plan(GPT3, A100, lay, 2 * k, 2048, _stack("deepspeed-zero3-2021", **base))
+    later = [sum(BIG[i + 1:]) for i in range(4)]
+    assert [2 * r >= 1e9 for r in later] == [True, True, True, False]
+    extra = 96 * sum(BIG) + 96 * sum(BIG[:3]) - 95 * sum(BIG)
+    # the planner's units: a layer's tensors carry the embedding and head's share (psi / L)
+    scale = rank_params(GPT3, lay, 0)[0] / 96 / sum(n for _, n in GPT3.layer_tensors(1))
+    assert hooks.sent["data"] - plain.sent["data"] == pytest.approx(
+        (k - 1) / k * 2 * extra * scale, rel=1e-9)
+    small = megatron_gpt("GPT 6.7B", 32, 4096, 32)  # a layer's weights well under 1e9 elements
+    kept = plan(small, A100, lay, 2 * k, 2048, _stack("deepspeed-zero3-2021", recompute_gathers=True,
+                                                      reuse=1e9, **base))
+    never = plan(small, A100, lay, 2 * k, 2048, _stack("deepspeed-zero3-2021", recompute_gathers=True,
+                                                       **base))  # reuse unbounded: all kept
+    assert kept.sent["data"] == pytest.approx(never.sent["data"], rel=1e-12)
+
+
+def test_a_module_as_large_as_the_live_limit_prefetches_nothing():
+    """DeepSpeed prefetches the next module's weights only while fewer than 1e9 elements are
+    gathered: MT-NLG 530B's QKV (1.26e9), MLP in and MLP out (1.68e9 each) hold more, so the
+    projection (after QKV), MLP out (after MLP in) and the next layer's QKV (after MLP out) wait
+    whole; GPT-3 175B's matrices are all smaller and every gather is prefetched."""
+    w = 20480
+    big530 = [(3 * w * w, 1), (w * w, 1), (4 * w * w, 1), (4 * w * w, 1)]
+    assert tm._prefetched(big530, 1e9) == [False, False, True, False]
+    assert tm._prefetched([(n, 1) for n in BIG], 1e9) == [True] * 4
+    mtnlg = megatron_gpt("MT-NLG 530B", 105, w, 128)
+    lay = PlanLayout(dp=1120, zero=3, micro_batch=2, recompute="full", attention="math")
+    base = dict(gather="tensor", reduce="tensor", persist=1e5, blocking=True)
+    limited = plan(mtnlg, A100, lay, 2240, 2048, _stack("deepspeed-zero3-2021", live=1e9, **base))
+    free = plan(mtnlg, A100, lay, 2240, 2048, _stack("deepspeed-zero3-2021", **base))
+    assert limited.time["data_comm"] > free.time["data_comm"]
+    assert limited.sent["data"] == pytest.approx(free.sent["data"], rel=1e-12)
+
+
+def test_the_tensors_kept_gathered_are_gathered_again_after_each_step_a_copy_per_rank():
+    """DeepSpeed 2021 partitions every parameter after backward and gathers the kept ones (under
+    1e5 elements: GPT-3 175B's two norms' weights and biases and its four biases, 8 a layer)
+    again after the step, copying each one's piece out of each of the 1,536 ranks' (3 views and
+    a copy: 4 trips through the dispatcher and a launch), all exposed."""
+    k = 1536
+    lay = PlanLayout(dp=k, zero=3, micro_batch=1, recompute="full", attention="math")
+    base = dict(gather="tensor", reduce="tensor", persist=1e5, blocking=True)
+    after = plan(GPT3, A100, lay, k, 2048, _stack("deepspeed-zero3-2021", step_rank_ops=4, **base))
+    before = plan(GPT3, A100, lay, k, 2048, _stack("deepspeed-zero3-2021", **base))
+    assert after.time["data_comm"] - before.time["data_comm"] == pytest.approx(
+        8 * 96 * k * (4 * DISPATCH + LAUNCH), rel=1e-9)
 
 
 def test_sharding_alone_stops_paying_at_a_fixed_batch():
@@ -115,11 +188,9 @@ def test_sharding_alone_stops_paying_at_a_fixed_batch():
     from 768 to 1,536 halves each GPU's compute but not the gathers (the same bytes a rank, a
     longer ring), so the step shrinks by far less than half; under Megatron's 3D layout of the
     same GPUs it nearly halves."""
-    gpt3 = megatron_gpt("GPT-3 175B", 96, 12288, 96)
-
     def step(stack, **layout):
         lay = PlanLayout(recompute="full", attention="math", **layout)
-        return plan(gpt3, A100, lay, 1536, 2048, stack).step_s
+        return plan(GPT3, A100, lay, 1536, 2048, stack).step_s
 
     zero3 = [step("deepspeed-zero3-2021", dp=n, zero=3, micro_batch=1536 // n) for n in (768, 1536)]
     ptdp = [step("megatron-lm-2021", dp=n // 96, tp=8, pp=12, schedule="interleaved",

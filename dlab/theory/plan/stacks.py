@@ -58,11 +58,13 @@ class Sharding:
     and its bytes at the link's bus bandwidth (``collectives``), plus the host's work to issue
     it: ``host_ops`` tensor operations (a hook's bookkeeping, a buffer allocated, the shard
     copied in, the call itself), ``tensor_ops`` more for each parameter tensor it carries
-    (views made, streams recorded), and ``rank_ops`` more for each rank of its group where the
-    collective takes a list of one tensor per rank (``torch.distributed.all_gather`` and
-    ``reduce_scatter`` before ``_all_gather_base``: a Python view made per rank, and
-    ProcessGroupNCCL's copy of each rank's piece in or out of its flat buffer, a kernel each).
-    Each operation costs the host a kernel's launch (``Kernels.launch``)."""
+    (views made, streams recorded), each the dispatcher's work (``dispatch``) and a kernel's
+    launch (``Kernels.launch``); and where the collective takes a list of one tensor per rank
+    (``torch.distributed.all_gather`` and ``reduce_scatter`` before ``_all_gather_base``), for
+    each rank of its group ``rank_ops`` trips through the dispatcher that launch nothing (the
+    views of each rank's piece, made in Python) and ``rank_kernels`` copies (ProcessGroupNCCL's
+    copy of each rank's piece in or out of its flat buffer), each a launch on the host and a
+    kernel on the device (a launch's time however small the piece)."""
     #: what one weight gather carries: "tensor" (each parameter tensor alone: DeepSpeed 2021),
     #: "module" (one submodule's tensors: DeepSpeed's all_gather_coalesced), "block" (a layer's
     #: flat buffer: FSDP)
@@ -76,9 +78,32 @@ class Sharding:
     host_ops: float = 4.0
     tensor_ops: float = 0.0
     rank_ops: float = 0.0
+    rank_kernels: float = 0.0
+    #: seconds PyTorch spends on one operation called from Python before any kernel is launched
+    #: (argument parsing, the dispatcher, autograd's check): its operator micro-benchmarks time
+    #: a small tensor's split at 3.3 us on the CPU, where the launch is nothing
+    #: (pytorch/pytorch#32194, 2020)
+    dispatch: float = 3.3e-6
+    #: the stack's module hooks gather a layer's weights again when full recomputation runs its
+    #: forward a second time (DeepSpeed: its pre-forward hooks fire inside the checkpointed
+    #: function); FSDP's pre-backward gather serves the recomputation as well
+    recompute_gathers: bool = False
+    #: a gathered tensor is kept for its next use when fewer than this many elements of other
+    #: weights are gathered in between (DeepSpeed's stage3_max_reuse_distance, 1e9 since 2021)
+    reuse: float = math.inf
+    #: no weights are prefetched while this many elements are gathered (DeepSpeed's
+    #: stage3_max_live_parameters, 1e9 since 2021): a module this large prefetches nothing
+    live: float = math.inf
+    #: trips through the dispatcher per rank, besides a copy's launch, for each tensor kept
+    #: gathered (``persist``) once the optimizer step has updated the shards: DeepSpeed 2021
+    #: partitions every parameter after backward and its _post_step gathers the kept ones again
+    #: with _allgather_params, which copies each tensor's piece out of each rank's (a narrow, a
+    #: view, a narrow and the copy: 4)
+    step_rank_ops: float = 0.0
     #: the host waits for the device before each weight gather (DeepSpeed 2021's
     #: ``torch.cuda.synchronize()`` in ``_allgather_param``): its host work shows whole, and a
-    #: gather overlaps no compute
+    #: gather overlaps only the compute the host launches after it (the module whose hook
+    #: prefetched it), a backward gather sharing that with the reductions in flight
     blocking: bool = False
     #: ZeRO-1/2's gradient reduction: "reduce_scatter" (each rank receives its shard) or
     #: "all_reduce" (DeepSpeed's BF16_Optimizer: the engine all-reduces, each rank then updates
@@ -227,7 +252,8 @@ PRESETS = {s.name: s for s in (
           "and out", fused=False, attention="fa2", grads=1.0, params=1.0, copies=True,
           bucket=5e8,
           sharding=Sharding(gather="module", reduce="bucket", persist=1e5, host_ops=12,
-                            tensor_ops=2, staging=2 * 5e8, prefetch=5e7)),
+                            tensor_ops=2, staging=2 * 5e8, prefetch=5e7, recompute_gathers=True,
+                            reuse=1e9, live=1e9)),
     Stack("deepspeed-zero3-2021",
           "DeepSpeed ZeRO stage 3 as released in 2021 (v0.3.15 to v0.5.5) under Megatron-LM's "
           "GPT (DeepSpeedExamples' fused kernels): each parameter tensor of 1e5 elements or more "
@@ -235,12 +261,19 @@ PRESETS = {s.name: s for s in (
           "after a torch.cuda.synchronize() (partition_parameters.py's _allgather_param; DeepSpeed "
           "PR 1188, October 2021: 'the async version is not async at all, because each "
           "all_gather calls torch.cuda.synchronize()' and 'all_gather will do implicit memcpy'), "
-          "gathered again for backward; each gradient reduce-scattered alone from a list of one "
+          "the next module's tensor prefetched beside the module the hook then runs "
+          "(stage3.py's prefetch_next_sub_modules); gathered again when full recomputation runs "
+          "a layer's forward (its hooks fire inside Megatron's checkpointed function) and for "
+          "backward unless its next use comes within stage3_max_reuse_distance (1e9 elements); "
+          "the tensors kept gathered gathered again after each step, a copy per tensor and "
+          "rank (_post_step's _allgather_params); each gradient reduce-scattered alone from a list of one "
           "tensor per rank (_reduce_scatter_gradient) behind backward (overlap_comm on at stage "
           "3); partitioned parameters copied in and out", fused=True, attention="fa2",
-          grads=1.0, params=0.0, copies=True, bucket=5e8,
+          grads=1.0, params=1.0, copies=True, bucket=5e8,
           sharding=Sharding(gather="tensor", reduce="tensor", persist=1e5, host_ops=6,
-                            rank_ops=2, blocking=True, staging=2 * 5e8, prefetch=5e7)),
+                            rank_ops=2, rank_kernels=1, blocking=True, staging=2 * 5e8,
+                            prefetch=5e7, recompute_gathers=True, reuse=1e9, live=1e9,
+                            step_rank_ops=4)),
     Stack("llama3-meta",
           "Meta's stack as the Llama 3 paper describes it (Dubey et al. 2024, sec. 3.3.2): "
           "FSDP sharding optimizer state and gradients, weights gathered once and not resharded "
