@@ -1,14 +1,21 @@
 """The published rows the planner is scored on (``dlab.theory.plan.published``), as code: each
 source's configurations with the figure as the source states it, where it states it.
 
-Six sources, 62 configurations, two GPU generations, four software stacks:
+Ten sources, 89 configurations, two GPU generations, the stacks they ran:
 
 - Narayanan et al. 2021 (Megatron-LM, 3D parallelism on A100s), table 1: 10 rows;
 - Korthikanti et al. 2022 (sequence parallelism, selective recomputation, A100s), table 4: 8;
 - Dubey et al. 2024 (Llama 3 405B on H100s, 4D with context parallelism), table 4: 3;
 - Megatron-LM's README (Megatron-Core r0.8 on H100s, its model table and strong scaling): 11;
 - torchtitan (PyTorch-native FSDP2 on A100s and H100s, two benchmark pages): 12;
-- MosaicML's llm-foundry (PyTorch FSDP at 128-512 H100s), its large-scale table: 18.
+- MosaicML's llm-foundry (PyTorch FSDP at 128-512 H100s), its large-scale table: 18;
+
+and, added after the planner was built and scored blind when added (``blind.json``):
+
+- BigScience's Megatron-DeepSpeed runs (BLOOM on Jean Zay's A100s): 11;
+- Narayanan et al. 2021, table 2 (DeepSpeed's ZeRO-3 without model parallelism beside PTD-P at a
+  fixed batch as the GPUs double): 12;
+- MT-NLG 530B (Smith et al. 2022): 3; OPT-175B (Zhang et al. 2022, metaseq): 1.
 
 Each row says what was assumed where its source is silent (``Published.assumed``). Left out:
 rows in fp8 (the planner prices bf16 kernels only), torchtitan's 405B row (its "H100 (94GB
