@@ -507,7 +507,7 @@ MUTATIONS = [
     Mutation(
         "plan-zero3-no-window",
         "planner: ZeRO-3's forward gathers hide behind nothing (the layer before's compute ignored)",
-        "dlab/theory/plan/time.py",
+        "dlab/theory/plan/data_comm.py",
         (("    add(ag, f_layer, params, m * (layers - 1 + layers * again))\n",
           "    add(ag, 0.0, params, m * (layers - 1 + layers * again))\n"),),
         ("tests/test_plan_sharding.py::test_a_zero3_step_whose_window_is_shorter_than_its_gathers_exposes_the_difference",),
@@ -515,7 +515,7 @@ MUTATIONS = [
     Mutation(
         "plan-per-tensor-as-block",
         "planner: a stack that gathers each parameter tensor alone priced as one gather a layer",
-        "dlab/theory/plan/time.py",
+        "dlab/theory/plan/data_comm.py",
         (("    if unit == \"tensor\":\n", "    if unit == \"each tensor\":\n"),),
         ("tests/test_plan_sharding.py::test_a_stack_that_gathers_per_tensor_pays_each_collectives_latency",),
     ),
@@ -523,7 +523,7 @@ MUTATIONS = [
         "plan-recompute-gathers-once",
         "planner: a stack whose hooks fire on recomputation gathers a recomputed layer's weights "
         "no more than once",
-        "dlab/theory/plan/time.py",
+        "dlab/theory/plan/data_comm.py",
         (("             if sh.recompute_gathers and lay.recompute == \"full\" else 0.0)\n",
           "             if sh.recompute_gathers and lay.recompute == \"none\" else 0.0)\n"),),
         ("tests/test_plan_sharding.py::test_module_hooks_gather_again_for_a_recomputed_forward_and_keep_what_is_reused_soon",),
@@ -532,14 +532,14 @@ MUTATIONS = [
         "plan-reuse-distance-ignored",
         "planner: DeepSpeed's reuse distance ignored: every tensor gathered again for backward "
         "after its recomputed forward",
-        "dlab/theory/plan/time.py",
+        "dlab/theory/plan/data_comm.py",
         (("if 2 * later[i] >= stack.sharding.reuse]", "if 2 * later[i] >= 0]"),),
         ("tests/test_plan_sharding.py::test_module_hooks_gather_again_for_a_recomputed_forward_and_keep_what_is_reused_soon",),
     ),
     Mutation(
         "plan-live-limit-ignored",
         "planner: a module as large as stage3_max_live_parameters still prefetches the next",
-        "dlab/theory/plan/time.py",
+        "dlab/theory/plan/data_comm.py",
         (("    return [gathers[i - 1][0] < live for i in range(len(gathers))]\n",
           "    return [True for i in range(len(gathers))]\n"),),
         ("tests/test_plan_sharding.py::test_a_module_as_large_as_the_live_limit_prefetches_nothing",),
@@ -547,14 +547,14 @@ MUTATIONS = [
     Mutation(
         "plan-post-step-gather-dropped",
         "planner: DeepSpeed 2021's gather of the kept tensors after each step left out",
-        "dlab/theory/plan/time.py",
+        "dlab/theory/plan/data_comm.py",
         (("    if sh.step_rank_ops and dense_group:", "    if sh.step_rank_ops and not dense_group:"),),
         ("tests/test_plan_sharding.py::test_the_tensors_kept_gathered_are_gathered_again_after_each_step_a_copy_per_rank",),
     ),
     Mutation(
         "plan-rank-copies-host-only",
         "planner: each rank's piece copied costs the host its launch but the device nothing",
-        "dlab/theory/plan/time.py",
+        "dlab/theory/plan/data_comm.py",
         (("    on_device = sh.rank_kernels * k * cluster.kernels.launch  #",
           "    on_device = 0 * k * cluster.kernels.launch  #"),),
         ("tests/test_plan_sharding.py::test_a_stack_that_gathers_per_tensor_pays_each_collectives_latency",),

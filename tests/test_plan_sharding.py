@@ -18,6 +18,7 @@ import pytest
 
 from dlab.models.gpt import GPT, GPTConfig
 from dlab.plan import PlanLayout, clusters, models, plan, published, stacks
+from dlab.theory.plan import data_comm
 from dlab.theory.plan import time as tm
 from dlab.theory.plan.memory import buffers, layer_bytes, op_policy_kept, rank_params
 from dlab.theory.plan.rows import ROWS
@@ -158,8 +159,8 @@ def test_a_module_as_large_as_the_live_limit_prefetches_nothing():
     whole; GPT-3 175B's matrices are all smaller and every gather is prefetched."""
     w = 20480
     big530 = [(3 * w * w, 1), (w * w, 1), (4 * w * w, 1), (4 * w * w, 1)]
-    assert tm._prefetched(big530, 1e9) == [False, False, True, False]
-    assert tm._prefetched([(n, 1) for n in BIG], 1e9) == [True] * 4
+    assert data_comm.prefetched(big530, 1e9) == [False, False, True, False]
+    assert data_comm.prefetched([(n, 1) for n in BIG], 1e9) == [True] * 4
     mtnlg = megatron_gpt("MT-NLG 530B", 105, w, 128)
     lay = PlanLayout(dp=1120, zero=3, micro_batch=2, recompute="full", attention="math")
     base = dict(gather="tensor", reduce="tensor", persist=1e5, blocking=True)
