@@ -596,7 +596,7 @@ MUTATIONS = [
     Mutation(
         "quota-said-full",
         "the disk checks: a quota error (EDQUOT) reported as a full disk (ENOSPC)",
-        "dlab/core/rundir.py",
+        "dlab/core/disk.py",
         (("        return DiskError(path, error.errno, instead)\n",
           "        return DiskError(path, errno.ENOSPC if error.errno in FULL else error.errno, "
           "instead)\n"),),

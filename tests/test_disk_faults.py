@@ -26,9 +26,10 @@ from helpers import TINY_GPT
 
 import dlab
 from dlab.analysis.diagnose import find_failure
-from dlab.core import rundir
+from dlab.core import disk, rundir
 from dlab.core.config import RunConfig
-from dlab.core.rundir import DiskError, read_json, reserve, write_json
+from dlab.core.disk import DiskError, reserve, write_json
+from dlab.core.rundir import read_json
 from dlab.runtime import checkpoint
 
 PACKAGE_ROOT = str(Path(dlab.__file__).resolve().parent.parent)
@@ -46,7 +47,7 @@ def _leftovers(root: Path) -> list[str]:
 
 
 def test_a_full_disk_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(rundir, "_write_new", _full)
+    monkeypatch.setattr(disk, "_write_new", _full)
     target = tmp_path / "launch.json"
     with pytest.raises(DiskError, match=rf"^no space left on {tmp_path}/launch\.json: free some"):
         write_json(target, {"a": 1})
@@ -54,7 +55,7 @@ def test_a_full_disk_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch
 
 
 #: each errno the disk checks tell apart, and how its message must begin (written here, apart
-#: from dlab.core.rundir.DISK_ERRORS): a quota is not a full disk, nor a read-only or failing one
+#: from dlab.core.disk.DISK_ERRORS): a quota is not a full disk, nor a read-only or failing one
 SAID = {errno.ENOSPC: "no space left on {path}: free some space there",
         errno.EDQUOT: "disk quota exceeded on {path}: your quota on that file system is used up",
         errno.EROFS: "{path} is on a read-only file system: write runs elsewhere",
@@ -62,7 +63,7 @@ SAID = {errno.ENOSPC: "no space left on {path}: free some space there",
 
 
 def test_the_disk_errors_told_apart_are_the_ones_tested():
-    assert set(rundir.DISK_ERRORS) == set(SAID)
+    assert set(disk.DISK_ERRORS) == set(SAID)
 
 
 @pytest.mark.parametrize("code", sorted(SAID), ids=lambda code: errno.errorcode[code])
@@ -73,7 +74,7 @@ def test_each_disk_error_is_said_in_its_own_words_naming_the_path(code, tmp_path
             f.write(text[:10])
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(rundir, "_write_new", refused)
+    monkeypatch.setattr(disk, "_write_new", refused)
     target = tmp_path / "launch.json"
     with pytest.raises(DiskError) as info:
         write_json(target, {"a": 1})
@@ -95,7 +96,7 @@ def test_the_reserved_record_is_written_in_place_on_a_full_disk(tmp_path, monkey
     target = tmp_path / "status.json"
     reserve(target)
     assert read_json(target) is None  # blanks read as "not written yet"
-    monkeypatch.setattr(rundir, "_write_new", _full)
+    monkeypatch.setattr(disk, "_write_new", _full)
     write_json(target, {"state": "failed", "ranks": {"0": {"ok": False}}})
     assert read_json(target) == {"state": "failed", "ranks": {"0": {"ok": False}}}
     assert not _leftovers(tmp_path)
@@ -119,12 +120,12 @@ def test_a_run_that_cannot_be_set_up_is_removed_and_the_cli_says_why(runs_dir, m
 def test_a_run_records_its_end_when_the_disk_fills_before_it(runs_dir, monkeypatch):
     """The launcher's last write, status.json, finds the disk full: it goes into the space set
     aside when the run started, and the run reads "ok", not "lost"."""
-    real = rundir._write_new
+    real = disk._write_new
 
     def status_full(path, text):
         (_full if path.name.startswith(".status.json") else real)(path, text)
 
-    monkeypatch.setattr(rundir, "_write_new", status_full)
+    monkeypatch.setattr(disk, "_write_new", status_full)
     run = dlab.launch("single", 1, runs_dir=runs_dir, wait=True, **{**TINY_GPT, "steps": 1})
     assert json.loads((run.path / "status.json").read_text())["state"] == "ok"
     assert dlab.attach(run.path).state == "ok" and not _leftovers(run.path)
@@ -207,7 +208,7 @@ def test_a_rank_that_finds_the_disk_full_at_its_start_says_so_in_its_report(tmp_
                                                                             monkeypatch):
     """Its log cannot be written either: without the report the run read only "failed before
     any rank reported"."""
-    real = rundir._write_new
+    real = disk._write_new
 
     def full_after_reserve(path, text):
         (real if path.name == "rank0.json" and text.isspace() else _full)(path, text)
@@ -215,7 +216,7 @@ def test_a_rank_that_finds_the_disk_full_at_its_start_says_so_in_its_report(tmp_
     run = rundir.RunDir(tmp_path / "run")
     run.path.mkdir()
     (run.path / "config.json").write_text(json.dumps({"world_size": 1}))
-    monkeypatch.setattr(rundir, "_write_new", full_after_reserve)
+    monkeypatch.setattr(disk, "_write_new", full_after_reserve)
     with pytest.raises(DiskError):
         rundir.RankWriter(run, 0)
     said = f"no space left on {run.path}/ranks/rank0.pid: free some space there"
@@ -254,7 +255,7 @@ def test_a_run_that_failed_before_any_rank_reported_on_a_full_disk_says_so(tmp_p
 
 RANK_ON_A_FULL_DISK = """
 import errno, sys
-from dlab.core import rundir
+from dlab.core import disk, rundir
 from dlab.runtime import rank
 
 run = rundir.RunDir(sys.argv[1])
@@ -271,7 +272,7 @@ class Full:  # from now on the disk is full: appends, new files and the log all 
     write = flush = full
 
 
-rundir._write_new = full
+disk._write_new = full
 writer._metrics, sys.stderr = Full(), Full()
 
 
@@ -298,7 +299,7 @@ def test_a_rank_on_a_full_disk_reports_which_file_and_exits(tmp_path):
 
 RANK_ON_A_HUNG_DISK = """
 import fcntl, os, sys, threading, time
-from dlab.core import rundir
+from dlab.core import disk, rundir
 from dlab.runtime.watchdog import StepWatchdog
 
 run = rundir.RunDir(sys.argv[1])
@@ -306,7 +307,7 @@ run.path.mkdir()
 writer = rundir.RankWriter(run, 0)
 # the disk hangs: a new file never gets written, and the log (fd 2: a pipe nobody reads, full)
 # takes no more bytes
-rundir._write_new = lambda path, text: threading.Event().wait()
+disk._write_new = lambda path, text: threading.Event().wait()
 read_end, write_end = os.pipe()
 fcntl.fcntl(write_end, fcntl.F_SETFL, os.O_NONBLOCK)
 try:
@@ -347,11 +348,11 @@ LAUNCHER_ON_A_HUNG_DISK = """
 import sys, time
 from pathlib import Path
 from dlab.cli.main import main
-from dlab.core import rundir
+from dlab.core import disk
 from dlab.procs import run
 
 runs, thawed = sys.argv[1], Path(sys.argv[2])
-real = rundir._write_new
+real = disk._write_new
 
 
 def status_hangs(path, text):
@@ -362,7 +363,7 @@ def status_hangs(path, text):
     real(path, text)
 
 
-rundir._write_new, run.RECORD_WITHIN_S = status_hangs, 1.0
+disk._write_new, run.RECORD_WITHIN_S = status_hangs, 1.0
 sys.exit(main(["run", "single", "-n", "1", "--steps", "1000000", "--deadline", "4",
                "--runs-dir", runs, "--model-opt", "n_layer=1", "--model-opt", "d_model=32",
                "--model-opt", "n_head=2", "--model-opt", "seq_len=32"]))

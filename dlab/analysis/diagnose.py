@@ -23,7 +23,8 @@ import signal
 from dataclasses import dataclass
 from datetime import datetime
 
-from dlab.core.rundir import ELSEWHERE, RESERVED_BYTES, RunDir
+from dlab.core.disk import ELSEWHERE, RESERVED_BYTES
+from dlab.core.rundir import RunDir
 
 PEER_GONE = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
              "connection refused", "socket", "peer", "aborted")

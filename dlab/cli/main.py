@@ -14,8 +14,8 @@ from dlab.bench import run_bench
 from dlab.cli import plan as plan_cli
 from dlab.cli.env import format_report, report
 from dlab.core.config import ConfigError, add_arguments, from_args
+from dlab.core.disk import DISK_ERRORS, disk_error
 from dlab.core.output import check_output_path, write_output
-from dlab.core.rundir import DISK_ERRORS, disk_error
 from dlab.models.corpus import make_corpus
 from dlab.models.data import CORPUS
 from dlab.procs.launch import launch
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # a full, over-quota, read-only or failing disk: said in one line, whatever wrote (what
         # was set up is removed again, and a run that had started has recorded how it ended:
-        # dlab.core.rundir.reserve)
+        # dlab.core.disk.reserve)
         print(f"error: {disk_error(e, e.filename or 'the disk')}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from dlab.core.config import ConfigError
-from dlab.core.rundir import disk_error
+from dlab.core.disk import disk_error
 
 
 def check_output_path(path: str | Path, option: str = "--json") -> None:

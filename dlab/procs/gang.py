@@ -25,7 +25,8 @@ import psutil
 import torch.distributed as dist
 
 from dlab.core.config import ConfigError
-from dlab.core.rundir import RunDir, read_json, write_json
+from dlab.core.disk import write_json
+from dlab.core.rundir import RunDir, read_json
 from dlab.procs.launch import check_runs_dir, check_seconds, new_run_dir
 from dlab.procs.process import exit_text, kill_tree, spawn_tied_to_this_process, worker_env
 

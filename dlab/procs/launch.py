@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dlab.core.config import ConfigError, RunConfig
-from dlab.core.rundir import RESERVED_BYTES, DiskError, RunDir, disk_error, write_json
+from dlab.core.disk import RESERVED_BYTES, DiskError, disk_error, write_json
+from dlab.core.rundir import RunDir
 from dlab.procs.process import binds_its_port, free_port, kill_tree, spawn_tied_to_this_process, worker_env
 from dlab.procs.run import Run, track
 from dlab.worker.validate import validate

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from dlab.analysis.diagnose import find_failure
 from dlab.analysis.reader import RunView, open_run
-from dlab.core.rundir import aside, preempted_or_ok, write_json
+from dlab.core.disk import aside, write_json
+from dlab.core.rundir import preempted_or_ok
 from dlab.procs.process import kill_tree
 from dlab.runtime.checkpoint import discard_partial
 from dlab.ui.plots import plot

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from dlab.core.config import FIELDS, ConfigError, RunConfig
-from dlab.core.rundir import RunDir, write_json
+from dlab.core.disk import write_json
+from dlab.core.rundir import RunDir
 from dlab.procs.launch import check_runs_dir, new_run_dir, start_torchrun
 
 

@@ -55,7 +55,8 @@ import torch.distributed as dist
 
 from dlab.comm import wire
 from dlab.comm.host import host_copies_done, to_host
-from dlab.core.rundir import ELSEWHERE, DiskError, RunDir, disk_error
+from dlab.core.disk import ELSEWHERE, DiskError, disk_error
+from dlab.core.rundir import RunDir
 
 # /3 added pieces that are runs over a tensor-parallel slice ("slice"); a /2 reader would have
 # ignored the key and assembled the wrong tensor, so the version moved. /2 checkpoints (no

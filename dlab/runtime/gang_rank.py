@@ -19,7 +19,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from dlab.core.rundir import RunDir, write_json
+from dlab.core.disk import write_json
+from dlab.core.rundir import RunDir
 
 #: the store key every rank adds 1 to before it asks for the process group
 ARRIVED = "gang/arrived"

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dlab.core.rundir import RankWriter, RunDir, within
+from dlab.core.disk import within
+from dlab.core.rundir import RankWriter, RunDir
 from dlab.runtime.watchdog import LAST_WORDS_S, StepWatchdog
 
 #: seconds a rank whose collective timed out waits before exiting, so that the peer it waited

@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 
-from dlab.core.rundir import within
+from dlab.core.disk import within
 
 POLL_S = 0.1
 #: seconds a rank's last report and log lines get before it exits anyway (a hung disk)
