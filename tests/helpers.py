@@ -60,7 +60,7 @@ def assert_same_training(run, ref, loss_tol: float = 1e-5, param_tol: float = 1e
 
 
 def assert_same_checkpoint(a, b) -> None:
-    """Two ``dlab.runtime.checkpoint.Reader``s hold the same: every parameter and every
+    """Two ``dlab.runtime.checkpoint_load.Reader``s hold the same: every parameter and every
     optimizer moment, assembled whole, bit for bit, and the same loss scaler state."""
     names = {n for s in a.states.values() for n in s["params"]}
     assert names == {n for s in b.states.values() for n in s["params"]}

@@ -384,7 +384,7 @@ MUTATIONS = [
         "single-resume-drops-masters",
         "single, mixed precision: a resume loads the 16-bit model but not the fp32 masters the "
         "optimizer steps, so the next step starts from the initial weights",
-        "dlab/runtime/checkpoint.py",
+        "dlab/runtime/checkpoint_load.py",
         (("                masters[i].copy_(saved)\n                p.copy_(masters[i])\n",
           "                p.copy_(saved)\n"),),
         ("tests/test_checkpoint_resume.py::test_a_resume_reproduces_the_uninterrupted_run[single-bf16]",),

@@ -14,7 +14,7 @@ import torch
 from helpers import TINY_GPT, assert_ranks_agree, assert_same_checkpoint, final_state, losses
 
 import dlab
-from dlab.runtime import checkpoint
+from dlab.runtime import checkpoint, checkpoint_load
 
 RUN = {**TINY_GPT, "steps": 8, "save_final": True}
 
@@ -96,7 +96,7 @@ def test_an_async_save_holds_the_values_of_the_step_it_was_called_at(tmp_path, m
     model.weight.add_(1.0)  # the next optimizer step
     release.set()
     saver.wait()
-    saved = checkpoint.Reader(checkpoint.latest(tmp_path / "checkpoints")).tensor("params", "w")
+    saved = checkpoint_load.Reader(checkpoint.latest(tmp_path / "checkpoints")).tensor("params", "w")
     assert torch.equal(saved, torch.arange(1000, dtype=torch.float32))
 
 
@@ -151,7 +151,7 @@ def test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts(runs_dir)
     run = {**RUN, "steps": 6}
     clean = dlab.launch("zero2", 2, runs_dir=runs_dir, wait=True, checkpoint_every=3, **run)
     saved = clean.path / "checkpoints" / "step-00000003"
-    states = checkpoint.Reader(saved).states
+    states = checkpoint_load.Reader(saved).states
     assert {"rank0.pt", "rank1.pt"} <= set(states), "zero2 writes a file per rank"
     # the checkpoint itself says which parameters the shard boundary cut: pieces in both files
     cut = set(states["rank0.pt"]["params"]) & set(states["rank1.pt"]["params"])
@@ -172,7 +172,8 @@ def test_zero2_resumes_and_reshards_parameters_its_shard_boundary_cuts(runs_dir)
             diff, name = max(((mine[k] - want[k]).abs().max().item(), k) for k in want)
             assert diff < 1e-5, f"{later.path.name} rank {r}: {name} differs by {diff:.2e}"
     end = "checkpoints/step-00000006"
-    assert_same_checkpoint(checkpoint.Reader(resumed.path / end), checkpoint.Reader(clean.path / end))
+    assert_same_checkpoint(checkpoint_load.Reader(resumed.path / end),
+                           checkpoint_load.Reader(clean.path / end))
 
 
 class _Replica:
@@ -203,7 +204,7 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     child.join()
     assert list(root.glob(".partial-*")), "the kill should have caught a save midway"
     newest = checkpoint.latest(root)
-    reader = checkpoint.Reader(newest)  # complete, verified, loadable
+    reader = checkpoint_load.Reader(newest)  # complete, verified, loadable
     assert reader.step in (1, *range(100, 200))
     assert newest.name.startswith("step-") and ".partial" not in str(newest)
 
@@ -216,7 +217,7 @@ def test_a_corrupt_shard_is_refused_naming_the_file(tmp_path):
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(checkpoint.CorruptCheckpoint, match=r"rank0\.pt: SHA-256 does not match"):
-        checkpoint.Reader(checkpoint.latest(root))
+        checkpoint_load.Reader(checkpoint.latest(root))
 
 
 def test_pieces_from_any_layout_assemble_the_same_tensor():
@@ -239,10 +240,10 @@ def test_bad_resume_path_is_refused_before_start(tmp_path):
                                           ("dlab-checkpoint/4", False), ("dlab-checkpoint/1", False)])
 def test_a_manifest_of_a_format_this_dlab_cannot_read_is_refused(tmp_path, fmt, readable):
     manifest = {"format": fmt, "step": 3}
-    manifest["digest"] = checkpoint._digest(manifest)
+    manifest["digest"] = checkpoint.digest(manifest)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     if readable:  # /2 has no tensor-parallel slices, so /3's reader reads it the same
-        assert checkpoint.read_manifest(tmp_path)["step"] == 3
+        assert checkpoint_load.read_manifest(tmp_path)["step"] == 3
     else:
         with pytest.raises(checkpoint.CorruptCheckpoint, match="not a dlab-checkpoint/3 checkpoint"):
-            checkpoint.read_manifest(tmp_path)
+            checkpoint_load.read_manifest(tmp_path)

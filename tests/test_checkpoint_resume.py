@@ -17,7 +17,7 @@ import torch
 from helpers import assert_same_checkpoint, final_state, losses
 
 import dlab
-from dlab.runtime import checkpoint
+from dlab.runtime import checkpoint_load
 
 GPT = {"model": "gpt", "batch_size": 8, "optimizer": "adam", "steps": 6, "save_final": True,
        "model_options": {"n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 32}}
@@ -45,8 +45,8 @@ CASES = [
 ]
 
 
-def _step(run, step: int) -> checkpoint.Reader:
-    return checkpoint.Reader(run.path / "checkpoints" / f"step-{step:08d}")
+def _step(run, step: int) -> checkpoint_load.Reader:
+    return checkpoint_load.Reader(run.path / "checkpoints" / f"step-{step:08d}")
 
 
 @pytest.mark.parametrize("strategy,world,options,lr", CASES)

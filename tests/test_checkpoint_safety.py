@@ -13,7 +13,7 @@ from helpers import TINY_GPT
 import dlab
 from dlab import models
 from dlab.core.config import RunConfig
-from dlab.runtime import checkpoint
+from dlab.runtime import checkpoint, checkpoint_load
 from dlab.worker.validate import problems
 
 GPT2 = TINY_GPT["model_options"]  # n_layer=2, d_model=32, n_head=2, seq_len=32
@@ -95,14 +95,14 @@ def test_a_checkpoint_that_predates_the_recorded_optimizer_is_judged_by_its_hpar
     manifest = json.loads((ckpt / "manifest.json").read_text())
     for key in ("optimizer", "lr", "digest"):
         manifest.pop(key)
-    manifest["digest"] = checkpoint._digest(manifest)
+    manifest["digest"] = checkpoint.digest(manifest)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    settings = checkpoint.Reader(ckpt).settings()
+    settings = checkpoint_load.Reader(ckpt).settings()
     assert settings == {"optimizer": "adam", "lr": 0.001}
     cfg = RunConfig("single", world_size=1, steps=8, resume=str(ckpt), optimizer="sgd",
                     model_options=GPT2)
     assert problems(cfg) == []  # nothing to judge before start: the worker judges on load
-    found = checkpoint.settings_problems(cfg, settings, ckpt)
+    found = checkpoint_load.settings_problems(cfg, settings, ckpt)
     assert len(found) == 2 and "optimizer='sgd'" in found[0] and "lr=0.001" in found[1]
 
 
@@ -113,7 +113,7 @@ def test_an_edited_manifest_is_refused_naming_it(tmp_path):
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     _refused(tmp_path, r"manifest\.json: its digest does not match", resume=str(ckpt))
     with pytest.raises(checkpoint.CorruptCheckpoint, match=r"manifest\.json: its digest"):
-        checkpoint.Reader(ckpt)
+        checkpoint_load.Reader(ckpt)
 
 
 def test_a_missing_file_is_refused_naming_it(tmp_path):
@@ -137,7 +137,7 @@ class _HalfShard:
 def test_a_missing_piece_is_refused_not_read_as_uninitialised_memory(tmp_path):
     root = tmp_path / "checkpoints"
     checkpoint.Checkpointer(root, 0, 1).save(_HalfShard(), 3)
-    reader = checkpoint.Reader(checkpoint.latest(root))
+    reader = checkpoint_load.Reader(checkpoint.latest(root))
     with pytest.raises(checkpoint.CorruptCheckpoint,
                        match=r"params w: the pieces cover 500 of 1000 elements"):
         reader.tensor("params", "w")

@@ -85,7 +85,7 @@ def resumed_state(root: str) -> dict:
 
     from dlab.core.rundir import RunDir
     from dlab.models.data import make_data
-    from dlab.runtime import checkpoint
+    from dlab.runtime import checkpoint, checkpoint_load
     from dlab.worker.main import _resume
 
     rank = dist.get_rank()
@@ -98,7 +98,7 @@ def resumed_state(root: str) -> dict:
                             meta=checkpoint.run_meta(cfg)).save(writer, SAVED_AT)
     dist.barrier()
     path = checkpoint.latest(run / "checkpoints")
-    saved = checkpoint.Reader(path)
+    saved = checkpoint_load.Reader(path)
     both = [set(s["params"]) for s in saved.states.values()]
     cut = sorted(set.intersection(*both)) if len(both) > 1 else []
     problems = {}

@@ -12,7 +12,7 @@ import torch
 from helpers import final_state, losses, max_param_diff
 
 import dlab
-from dlab.runtime import checkpoint
+from dlab.runtime import checkpoint, checkpoint_load
 
 GPT = {"model": "gpt", "batch_size": 8, "steps": 6, "optimizer": "sgd", "save_final": True,
        "model_options": {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}}
@@ -42,7 +42,7 @@ def test_pp2_dp2_zero2_reshards_into_tp2_and_single(runs_dir):
     split dimension) and by ``single`` (whole tensors)."""
     clean = dlab.launch("nd", 4, runs_dir=runs_dir, wait=True, checkpoint_every=SAVED_AT,
                         options={"pp": 2, "dp": 2, "zero": 2}, **GPT)
-    states = checkpoint.Reader(saved(clean)).states
+    states = checkpoint_load.Reader(saved(clean)).states
     cut = set(states["rank0.pt"]["params"]) & set(states["rank1.pt"]["params"])
     assert cut, "no parameter straddles two data ranks' chunks: the case tests no ZeRO cut"
     assert all(states["rank1.pt"]["optim"][n]["momentum_buffer"]["data"].abs().max() > 0 for n in cut)

@@ -37,7 +37,7 @@ from dlab.bench import compared, median
 from dlab.parallel.zero.torch_fsdp import shard_with_fsdp2
 from dlab.procs.launch import launch
 from dlab.procs.spawn import spawn
-from dlab.runtime import checkpoint
+from dlab.runtime import checkpoint, checkpoint_load
 
 MODEL = {"n_layer": 4, "d_model": 192, "n_head": 4, "seq_len": 64}
 FAULT_BATCH = 64  # sequences per step: steps long enough that redone work shows beside restart
@@ -52,7 +52,7 @@ def _load_seconds(path: Path) -> float:
     model = models.build("gpt", MODEL, seed=0)
     opt = torch.optim.Adam(model.parameters())
     start = time.perf_counter()
-    checkpoint.load_replica(model, opt, checkpoint.Reader(path))
+    checkpoint_load.load_replica(model, opt, checkpoint_load.Reader(path))
     return time.perf_counter() - start
 
 

@@ -35,7 +35,7 @@ from dlab.analysis.diagnose import RunFailed
 from dlab.analysis.steps import step_time
 from dlab.procs.launch import launch
 from dlab.procs.run import Run
-from dlab.runtime import checkpoint
+from dlab.runtime import checkpoint, checkpoint_load
 from dlab.ui.figure import new_figure, style
 
 MODEL = {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 32}
@@ -66,7 +66,7 @@ def run(quick: bool = False) -> list[dict]:
         except RunFailed as failed:
             lost_dir = Path(failed.run.path)
         saved = checkpoint.latest(lost_dir / "checkpoints")
-        resumed_from = checkpoint.Reader(saved).step
+        resumed_from = checkpoint_load.Reader(saved).step
         later = launch("nd", 4, runs_dir=root, wait=True, options=FOUR, resume=str(saved), **common)
         first = Run(lost_dir)
         want = {m["step"]: m["loss"] for m in ref.metrics(0)}

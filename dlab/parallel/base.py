@@ -22,7 +22,7 @@ from dlab.core.precision import LossScaler
 from dlab.layout import Layout, shape
 from dlab.layout.schedules import Schedule
 from dlab.models.moe import moe_stats
-from dlab.runtime import checkpoint
+from dlab.runtime import checkpoint, checkpoint_load
 from dlab.theory import memory
 
 #: the option of every strategy that reduce-scatters (ZeRO's gradients, sequence parallelism,
@@ -185,7 +185,7 @@ class Strategy:
         raise NotImplementedError
 
     def load_checkpoint_state(self, reader) -> None:
-        """Take this rank's part from a ``dlab.runtime.checkpoint.Reader`` written at any layout."""
+        """Take this rank's part from a ``dlab.runtime.checkpoint_load.Reader`` written at any layout."""
         raise NotImplementedError
 
     @classmethod
@@ -265,7 +265,7 @@ class WholeModel(Strategy):
         return checkpoint.replica_state(self.model, self.optimizer)
 
     def load_checkpoint_state(self, reader):
-        checkpoint.load_replica(self.model, self.optimizer, reader)
+        checkpoint_load.load_replica(self.model, self.optimizer, reader)
 
 
 #: the gradient bucket size of PyTorch's DDP and of dlab's ``ddp``

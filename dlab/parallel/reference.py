@@ -21,7 +21,7 @@ from dlab.parallel import register
 from dlab.parallel.base import BUCKET_CAP_MB, Option, WholeModel, data_parallel_problems
 from dlab.parallel.data_parallel import compression
 from dlab.parallel.mixed import PRECISION, fp32_master, precision_of, refresh, scaled_step
-from dlab.runtime import checkpoint
+from dlab.runtime import checkpoint, checkpoint_load
 from dlab.theory import memory
 
 #: PyTorch's compression hooks, the peers of ``ddp``'s ``compress`` options
@@ -116,7 +116,7 @@ class Single(WholeModel):
     def load_checkpoint_state(self, reader):
         """The masters loaded (from a checkpoint of any precision and layout: its parameters
         are fp32), the working copy rounded from them."""
-        checkpoint.load_replica(self.model, self.optimizer, reader, self.masters)
+        checkpoint_load.load_replica(self.model, self.optimizer, reader, self.masters)
 
     def full_state_dict(self):
         """The fp32 masters in mixed precision (the exact values), else the model's own."""

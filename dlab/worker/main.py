@@ -27,7 +27,7 @@ from dlab.core.config import ConfigError, RunConfig, add_arguments, from_args
 from dlab.core.events import Timeline
 from dlab.core.rundir import RunDir
 from dlab.parallel.base import Context
-from dlab.runtime import checkpoint, rank
+from dlab.runtime import checkpoint, checkpoint_load, rank
 from dlab.runtime.checkpoint import Checkpointer
 from dlab.runtime.preemption import PREEMPTED_EXIT, Preemption
 from dlab.worker.train import train
@@ -177,15 +177,15 @@ def _resume(cfg, run: RunDir, strategy, rank_: int, attempt: int) -> int:
     if attempt or cfg.resume == "latest":
         path = checkpoint.latest(run / "checkpoints")
     elif cfg.resume:
-        path = checkpoint.find(cfg.resume)
+        path = checkpoint_load.find(cfg.resume)
     else:
         return 0
     if path is None:
         return 0
-    reader = checkpoint.Reader(path)
+    reader = checkpoint_load.Reader(path)
     # a checkpoint whose manifest predates its optimizer and lr (and "latest", which launch
     # could not look at) is checked here, before its state is taken
-    refused = checkpoint.settings_problems(cfg, reader.settings(), path)
+    refused = checkpoint_load.settings_problems(cfg, reader.settings(), path)
     if refused:
         raise ConfigError("this run cannot resume:\n  - " + "\n  - ".join(refused))
     strategy.load_checkpoint_state(reader)

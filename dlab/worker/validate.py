@@ -4,7 +4,7 @@ worker calls it again for runs started by torchrun or Slurm directly.
 In order, each step only once the ones before it hold (the later checks compare and divide
 what the earlier ones vouch for): what the config alone says (``RunConfig.problems``: field
 kinds and ranges, the model, the devices, the fault), the checkpoint to resume from
-(``checkpoint.resume_problems``), then the strategy: that it exists, can checkpoint if asked
+(``checkpoint_load.resume_problems``), then the strategy: that it exists, can checkpoint if asked
 to, trains what the model asks of it, takes these options (``Strategy.option_problems``), and
 its own checks (``Strategy.problems``, which for the layouts of ``nd`` and ``pipeline-*`` is
 ``dlab.layout.Layout.problems``). Every message says what to change.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dlab import parallel
 from dlab.core.config import ConfigError, RunConfig
 from dlab.models.moe import TRAINING_OPTIONS
-from dlab.runtime.checkpoint import resume_problems
+from dlab.runtime.checkpoint_load import resume_problems
 
 
 def problems(cfg: RunConfig) -> list[str]:
