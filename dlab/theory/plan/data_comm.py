@@ -107,8 +107,9 @@ def sharded(spec, cluster, lay, stack, m, comp, place, psi, layers, dense_group,
     ag, ag_host = gather_time(gathers, ahead), host_time(gathers)
     ag_late = gather_time(gathers, [not y for y in ahead])
     # backward's gathers: (device seconds prefetched, not prefetched, host seconds, layers)
+    backward = _backward_gathers(stack, gathers, layers, again)
     back = []
-    for idx, count in _backward_gathers(stack, gathers, layers, again):
+    for idx, count in backward:
         msgs = [gathers[i] for i in idx]
         back.append((gather_time(msgs, [ahead_back[i] for i in idx]),
                      gather_time(msgs, [not ahead_back[i] for i in idx]), host_time(msgs), count))
@@ -150,8 +151,7 @@ def sharded(spec, cluster, lay, stack, m, comp, place, psi, layers, dense_group,
         kept = sum(n < sh.persist for _, n in spec.layer_tensors(lay.tp)) * layers
         add(kept * k * (sh.step_rank_ops * sh.dispatch + cluster.kernels.launch), 0.0, 0.0)
     gathered = (sum(p for p, _ in gathers) * layers * (1 + again)
-                + sum(sum(gathers[i][0] for i in idx) * count
-                      for idx, count in _backward_gathers(stack, gathers, layers, again)))
+                + sum(sum(gathers[i][0] for i in idx) * count for idx, count in backward))
     sent["data"] += m * (bus_bytes(reduce_op, g * psi, k) + bus_bytes("all_reduce", g * psi / k, replicas)
                          + bus_bytes("all_gather", w * gathered, k))
     return m * 2 * (w * gathered + g * psi)
