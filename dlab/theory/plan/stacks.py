@@ -246,10 +246,12 @@ PRESETS = {s.name: s for s in (
           "docs and partitioned_param_coordinator.py): a Hugging Face model's eager ops and "
           "FlashAttention-2; per micro-batch each submodule's weights gathered by one "
           "all_gather_coalesced (tensors under stage3_param_persistence_threshold, 1e5, stay "
-          "gathered), prefetched up to stage3_prefetch_bucket_size (5e7) ahead, gathered again "
-          "for backward; gradients reduce-scattered in reduce_bucket_size (5e8) buckets behind "
-          "backward (overlap_comm, on by default at stage 3); partitioned parameters copied in "
-          "and out", fused=False, attention="fa2", grads=1.0, params=1.0, copies=True,
+          "gathered), prefetched up to stage3_prefetch_bucket_size (5e7) ahead while fewer than "
+          "stage3_max_live_parameters (1e9) are gathered, gathered again when full recomputation "
+          "runs a layer's forward and for backward unless the next use comes within "
+          "stage3_max_reuse_distance (1e9); gradients reduce-scattered in reduce_bucket_size "
+          "(5e8) buckets behind backward (overlap_comm, on by default at stage 3); partitioned "
+          "parameters copied in and out", fused=False, attention="fa2", grads=1.0, params=1.0, copies=True,
           bucket=5e8,
           sharding=Sharding(gather="module", reduce="bucket", persist=1e5, host_ops=12,
                             tensor_ops=2, staging=2 * 5e8, prefetch=5e7, recompute_gathers=True,
