@@ -560,6 +560,15 @@ MUTATIONS = [
         ("tests/test_plan_sharding.py::test_a_stack_that_gathers_per_tensor_pays_each_collectives_latency",),
     ),
     Mutation(
+        "plan-reduce-copies-dropped",
+        "planner: a reduce-scatter from a list of one tensor per rank copies nothing into its "
+        "flat buffer on the device",
+        "dlab/theory/plan/data_comm.py",
+        (("        rs = sum(_reduce(place, p) + on_device for p, _ in reductions)",
+          "        rs = sum(_reduce(place, p) for p, _ in reductions)"),),
+        ("tests/test_plan_sharding.py::test_a_stack_that_gathers_per_tensor_pays_each_collectives_latency",),
+    ),
+    Mutation(
         "plan-blind-overwritten",
         "planner: a source's blind score written over by a later one",
         "dlab/theory/plan/published.py",

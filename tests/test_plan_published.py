@@ -167,7 +167,7 @@ BANDS = {
     ('narayanan2021-zero3', 'GPT 174.6B', 768, 1536,
      'dp768 zero3 mb2 full', 'deepspeed-zero3-2021'): +0.366,
     ('narayanan2021-zero3', 'GPT 174.6B', 1536, 1536,
-     'dp1536 zero3 mb1 full', 'deepspeed-zero3-2021'): -0.034,
+     'dp1536 zero3 mb1 full', 'deepspeed-zero3-2021'): -0.103,
     ('narayanan2021-zero3', 'GPT 529.6B', 640, 2560,
      'dp640 zero3 mb4 full', 'deepspeed-zero3-2021'): +0.307,
     ('narayanan2021-zero3', 'GPT 529.6B', 1120, 2240,

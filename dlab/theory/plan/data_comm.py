@@ -89,7 +89,7 @@ def sharded(spec, cluster, lay, stack, m, comp, place, psi, layers, dense_group,
     f_layer, b_layer = comp["layer_forward"], comp["layer_backward"] + comp["layer_recompute"]
     per_layer = psi / layers
     gathers = _messages(spec, lay, sh, "gather", per_layer) if dense_group else [(per_layer, 1)]
-    on_device = sh.rank_kernels * k * cluster.kernels.launch  # each rank's piece copied
+    on_device = sh.rank_kernels * k * cluster.kernels.launch  # each rank's piece copied, in or out
 
     def gather_time(msgs, early=None):
         """Device seconds of ``msgs`` (those ``early`` marks True, where given)."""
@@ -121,7 +121,8 @@ def sharded(spec, cluster, lay, stack, m, comp, place, psi, layers, dense_group,
         rs_units, rs_window = units, (comp["backward"] + comp["layer_recompute"] * layers) / units
     else:
         reductions = _messages(spec, lay, sh, "reduce", per_layer) if dense_group else [(per_layer, 1)]
-        rs = sum(_reduce(place, p) for p, _ in reductions)
+        # a reduce-scatter from a list copies each rank's piece into its flat buffer first
+        rs = sum(_reduce(place, p) + on_device for p, _ in reductions)
         rs_host = sum(_host(cluster, sh, c, k) for _, c in reductions)
         rs_units, rs_window = layers, b_layer
     add(ag, 0.0, 0.0, m)  # the first layer of each forward

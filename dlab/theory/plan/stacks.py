@@ -268,8 +268,9 @@ PRESETS = {s.name: s for s in (
           "a layer's forward (its hooks fire inside Megatron's checkpointed function) and for "
           "backward unless its next use comes within stage3_max_reuse_distance (1e9 elements); "
           "the tensors kept gathered gathered again after each step, a copy per tensor and "
-          "rank (_post_step's _allgather_params); each gradient reduce-scattered alone from a list of one "
-          "tensor per rank (_reduce_scatter_gradient) behind backward (overlap_comm on at stage "
+          "rank (_post_step's _allgather_params); each gradient reduce-scattered alone from a "
+          "list of one tensor per rank (_reduce_scatter_gradient; ProcessGroupNCCL copies each "
+          "piece into a flat buffer first) behind backward (overlap_comm on at stage "
           "3); partitioned parameters copied in and out", fused=True, attention="fa2",
           grads=1.0, params=1.0, copies=True, bucket=5e8,
           sharding=Sharding(gather="tensor", reduce="tensor", persist=1e5, host_ops=6,
