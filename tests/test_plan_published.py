@@ -374,23 +374,18 @@ def test_the_probe_measures_every_op_the_planner_charges_on_real_ranks(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.skipif((__import__("os").cpu_count() or 1) >= 4, reason="needs 4 ranks to outnumber the cores")
-def test_with_ranks_outnumbering_cores_a_collective_costs_far_more_than_its_wire_time(tmp_path):
-    """Timing, so slow (on a machine with other work a call's cost moves by 10x either way: at a
-    load of 8 one 4-rank run read a tenth of the wire time, one 2-rank run 140 times it): the
-    probe at 4 ranks, every op the planner charges for every group size; an all-reduce over 4
-    ranks burns each rank's CPU for over 5x what the fitted link says it takes on the wire (the
-    hand-offs between processes sharing cores, not the bytes, are the cost). The default tests
-    above hold the probe's arithmetic and its ops without a threshold on time."""
+def test_with_ranks_outnumbering_cores_the_probe_measures_every_op_for_every_group(tmp_path):
+    """The probe at 4 ranks on fewer cores: every op the planner charges, for every group size
+    that divides 4, each a finite cost, and the share of the cores' time the ranks fill in (0, 1].
+    How far a call's cost lies above its wire time there is timing, which moves by 10x either way
+    with the machine's other work (at a load of 8 one 4-rank run read a tenth of the wire time,
+    one 2-rank run 140 times it): ``python -m dlab bench plan`` prints it (its probe rows), no
+    test holds a threshold on it."""
+    import math
+
     from dlab.tools import calibrate
     probe = calibrate.collective_probe(4, repeats=5, trials=1, runs_dir=tmp_path)
     assert {(op, g) for op, g, _, _ in probe.calls} == {(op, g) for op in calibrate.OPS for g in (2, 4)}
+    assert all(math.isfinite(x) and x >= 0 for _, _, fixed, per_byte in probe.calls
+               for x in (fixed, per_byte))
     assert 0 < probe.utilization <= 1.0
-    machine = clusters.this_machine(peak=1e10, ranks=4, calls=probe.calls)
-    link = machine.intra
-    wire = 2 * 3 / 4 * calibrate.PROBE_SIZES[0] / link.bandwidth + 2 * 3 * link.alpha
-    assert machine.call_cost("all_reduce", 4, calibrate.PROBE_SIZES[0]) > 5 * wire
-    # two ranks, a core each: a call's wall time, as far above the wire's
-    probe = calibrate.collective_probe(2, repeats=5, trials=1, runs_dir=tmp_path)
-    pair = clusters.this_machine(peak=1e10, ranks=2, calls=probe.calls)
-    wire = 2 * 1 / 2 * calibrate.PROBE_SIZES[0] / pair.intra.bandwidth + 2 * pair.intra.alpha
-    assert pair.call_cost("all_reduce", 2, calibrate.PROBE_SIZES[0]) > 5 * wire
