@@ -569,6 +569,15 @@ MUTATIONS = [
         ("tests/test_plan_sharding.py::test_a_stack_that_gathers_per_tensor_pays_each_collectives_latency",),
     ),
     Mutation(
+        "failed-rank-closes-its-group-first",
+        "runtime: a rank whose body raised destroys its process group before its report, so its "
+        "peers fail at once and torchrun ends it before it says why",
+        "dlab/runtime/rank.py",
+        (("        if exc_type is None:\n            dist.destroy_process_group()",
+          "        dist.destroy_process_group()"),),
+        ("tests/test_magic.py::test_a_rank_slow_to_report_its_error_is_still_the_one_named",),
+    ),
+    Mutation(
         "plan-blind-overwritten",
         "planner: a source's blind score written over by a later one",
         "dlab/theory/plan/published.py",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlab.procs.cells import RankError, cell_traceback
+from dlab.procs.cells import RankError, cell_traceback, run_cell
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,25 @@ def test_a_raising_rank_is_reported_by_number(shell, runs_dir, capsys):
     grouped = shown.out.split("FAILED:")[0]
     assert "Traceback" not in grouped and "[ended by ValueError: bad shape on rank 2]" in grouped
     assert "%%distributed: rank 2 raised ValueError" in "\n".join(err._render_traceback_())
+
+
+def test_a_rank_slow_to_report_its_error_is_still_the_one_named(runs_dir):
+    """The raising rank's report comes before its peers hear it is gone: here saying what went
+    wrong takes rank 1 three seconds (as a loaded machine can), while its peers wait in the
+    all-reduce. Had it closed its process group first, they would fail at once with "connection
+    closed", and torchrun would end rank 1 before its report: the run would name a peer."""
+    cell = ("class Slow(ValueError):\n"
+            "    def __str__(self):\n"
+            "        import time\n"
+            "        time.sleep(3)\n"
+            "        return 'slow to say on rank 1'\n"
+            "x = torch.ones(2)\n"
+            "if rank == 1:\n"
+            "    raise Slow()\n"
+            "dist.all_reduce(x)\n")
+    _, results, err = run_cell(cell, 2, runs_dir=runs_dir)
+    assert results is None and isinstance(err, RankError), err
+    assert (err.rank, err.exception) == (1, "Slow") and "slow to say on rank 1" in err.message, err
 
 
 def test_cell_traceback_keeps_only_the_cells_frames():

@@ -151,7 +151,12 @@ def serve(writer: RankWriter, timeout_s: float, body: Callable[[dict], dict | No
 
 def process_group(backend: str, timeout_s: float, threads: int, device: torch.device):
     """Initialise the default process group with the run's deadline (its rendezvous and every
-    collective), on ``device``; a context manager that destroys it after."""
+    collective), on ``device``; a context manager that destroys it after a body that returns.
+    After one that raises it is left for the process's exit (``serve``'s ``os._exit``, once the
+    report is written): destroying it closes the connections, its peers fail at once with
+    "connection closed" and exit, and torchrun then ends this rank while it is still writing
+    the report of the error that started it all (under load, the run named a peer as the rank
+    that raised and showed no traceback of this one)."""
     torch.set_num_threads(threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -163,5 +168,6 @@ class _Destroy:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        dist.destroy_process_group()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            dist.destroy_process_group()
