@@ -560,6 +560,22 @@ MUTATIONS = [
         ("tests/test_plan_sharding.py::test_a_stack_that_gathers_per_tensor_pays_each_collectives_latency",),
     ),
     Mutation(
+        "plan-pp-scatter-ignored",
+        "planner: every tensor-parallel rank sends the whole pipeline boundary, as if no stack "
+        "split it over them",
+        "dlab/theory/plan/time.py",
+        (("        scatter = stack.pp_scatter and not lay.sequence_parallel and t > 1",
+          "        scatter = False"),),
+        ("tests/test_plan_stacks.py::test_a_stack_that_splits_the_boundary_sends_a_tth_and_gathers_what_it_receives",),
+    ),
+    Mutation(
+        "plan-hp-grad-pass-dropped",
+        "planner: DeepSpeed's BF16_Optimizer adds the micro-batches' gradients into fp32 for free",
+        "dlab/theory/plan/time.py",
+        (("    if not stack.hp_grad_pass or g <= w:", "    if True:"),),
+        ("tests/test_plan_stacks.py::test_the_bf16_optimizer_adds_each_micro_batchs_gradients_into_fp32_by_a_pass_of_its_own",),
+    ),
+    Mutation(
         "plan-reduce-copies-dropped",
         "planner: a reduce-scatter from a list of one tensor per rank copies nothing into its "
         "flat buffer on the device",

@@ -260,10 +260,13 @@ def _bigscience(name, layers, hidden, heads, dp, tp, pp, micro, batch, seconds, 
     """A Megatron-DeepSpeed run of BigScience's on Jean Zay (sequence 2048, a 250,880-token
     vocabulary (BLOOM's, padded), tied embeddings, dropout 0.1 (Megatron's default: its script
     sets none), full recomputation (--checkpoint-activations), DeepSpeed's 1F1B pipeline, bf16
-    with ZeRO-1 over the data ranks), timed per iteration as its log or table prints it."""
+    with ZeRO stage 0 in its DeepSpeed config ("bf16 must use z0! it implements its own zero
+    stage 1 equivalent", tr11-176B-ml.slurm): DeepSpeed's BF16_Optimizer, ZeRO-1 over the data
+    ranks with gradients accumulated and all-reduced in fp32), timed per iteration as its log
+    or table prints it."""
     spec = Transformer(name, layers, hidden, heads, 4 * hidden, 250880, tied=True, dropout=True)
     lay = PlanLayout(dp=dp, tp=tp, pp=pp, zero=1, micro_batch=micro, recompute="full",
-                     precision="bf16", attention="math")
+                     precision="bf16-fp32-grads", attention="math")
     return Published(BIGSCIENCE, spec, "a100-80gb-opa", lay, batch, 2048, "iteration_s", seconds,
                      "megatron-deepspeed", assumed=where)
 

@@ -40,6 +40,22 @@ prediction names its stack. What a stack decides:
   send_forward_recv_backward, one batch_isend_irecv), 4 where every send and receive is its own
   blocking step (DeepSpeed's pipeline engine: SendActivation, RecvGrad, SendGrad and
   RecvActivation are separate instructions, "blocking and must be paired", schedule.py);
+- ``pp_scatter``: without sequence parallelism, each tensor-parallel rank sends only its 1/t
+  slice of the boundary activation (or its gradient) to the next stage, and the receiving
+  stage all-gathers the slices over its tensor-parallel ranks before using them (Narayanan et
+  al. 2021, sec. 4.1, "scatter/gather communication optimization": the t ranks would otherwise
+  send t copies of one tensor over the nodes' NICs): Megatron-LM's
+  scatter_gather_tensors_in_pipeline (on by default from 2021 until its pipeline code moved
+  into Megatron-Core in 2023), and DeepSpeed's pipeline engine, which partitions the activation
+  and its gradient over the slice-parallel group whenever the model is tensor-parallel
+  (``PartitionedTensor``; ``is_pipe_partitioned`` in pipe/engine.py); under sequence
+  parallelism the boundary is already split;
+- ``hp_grad_pass``: fp32 gradients of 16-bit weights (precision ``bf16-fp32-grads``) are
+  accumulated by a pass of their own after every micro-batch's backward (DeepSpeed's
+  BF16_Optimizer, which bf16 with ZeRO stage 0 selects: its update_hp_grads adds each bf16
+  gradient, converted, into an fp32 copy, which its engine then all-reduces) rather than
+  inside the weight-gradient GEMMs (Megatron-LM's gradient_accumulation_fusion writes fp32
+  main_grad directly);
 - ``sp_regather``: under sequence parallelism, backward all-gathers each layer's two matmul
   inputs again for their weight gradients (Megatron-LM's ``LinearWithGradAccumulationAnd
   AsyncCommunication``, and dlab's ``nd``) rather than keeping what forward gathered (PyTorch's
@@ -144,6 +160,8 @@ class Stack:
     sp_regather: bool = True
     sharding: Sharding = Sharding()
     pp_transfers: int = 2
+    pp_scatter: bool = False
+    hp_grad_pass: bool = False
 
     def overlaps(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in ("grads", "params", "tp", "tp_backward", "cp", "ep", "pp")}
@@ -172,18 +190,20 @@ PRESETS = {s.name: s for s in (
           "Megatron-LM as Narayanan et al. 2021 (sec. 4.2: fused layer norm, bias-GeLU, "
           "bias-dropout-add and scale-mask-softmax kernels) and Korthikanti et al. 2022 ran it: "
           "its default 'local' DDP all-reduces the gradients after the pipeline's last backward, "
-          "tensor-parallel collectives and pipeline sends block", fused=True, attention="fa2",
+          "tensor-parallel collectives and pipeline sends block, each tensor-parallel rank sending "
+          "its 1/t of the boundary (sec. 4.1's scatter/gather)", fused=True, attention="fa2",
           grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0, bucket=math.inf,
-          sharding=MEGATRON_BUCKETS),
+          sharding=MEGATRON_BUCKETS, pp_scatter=True),
     Stack("megatron-lm-2022",
           "Megatron-LM as Korthikanti et al. 2022 ran it (mid-2022): the 2021 stack with "
           "sequence parallelism and selective recomputation, and backward's column-parallel "
           "collectives asynchronous beside their GEMMs (the re-gather beside the input-gradient "
           "GEMM, the reduce-scatter or the all-reduce beside the weight-gradient GEMM: "
           "megatron/mpu/layers.py, async_tensor_model_parallel_allreduce on by default); the "
-          "gradients all-reduced after the last backward, pipeline sends blocking",
+          "gradients all-reduced after the last backward, pipeline sends blocking (split over the "
+          "tensor-parallel ranks without sequence parallelism, as in 2021)",
           fused=True, attention="fa2", grads=0.0, params=0.0, tp=0.0, tp_backward=1.0, cp=0.0,
-          ep=0.0, pp=0.0, bucket=math.inf, sharding=MEGATRON_BUCKETS),
+          ep=0.0, pp=0.0, bucket=math.inf, sharding=MEGATRON_BUCKETS, pp_scatter=True),
     Stack("megatron-lm-2023",
           "Megatron-LM in 2023, before its overlaps (--overlap-grad-reduce came in August 2023, "
           "--tp-comm-overlap in October, --overlap-param-gather in November: its git history): "
@@ -198,12 +218,17 @@ PRESETS = {s.name: s for s in (
           "Megatron-DeepSpeed as BigScience (BLOOM) and MT-NLG ran it: Megatron-LM's 2021 model "
           "code and fused kernels, DeepSpeed's pipeline engine (1F1B; each send and receive its own "
           "blocking step), "
+          "the activation and its gradient split over the tensor-parallel ranks for each transfer, "
           "tensor-parallel collectives blocking, ZeRO-1 as DeepSpeed's BF16_Optimizer does it: "
           "the engine all-reduces every gradient after the last backward, each rank updates its "
-          "shard, the weights are all-gathered after the step", fused=True, attention="fa2",
-          grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0, bucket=math.inf,
+          "shard, the weights are all-gathered after the step; with fp32 gradients "
+          "(bf16-fp32-grads: bf16 with ZeRO stage 0, BigScience's) the optimizer adds each "
+          "micro-batch's bf16 gradients into them by a pass of its own", fused=True,
+          attention="fa2", grads=0.0, params=0.0, tp=0.0, cp=0.0, ep=0.0, pp=0.0,
+          bucket=math.inf,
           sharding=Sharding(gather="bucket", reduce="bucket", host_ops=2,
-                            zero1_reduce="all_reduce"), pp_transfers=4),
+                            zero1_reduce="all_reduce"), pp_transfers=4, pp_scatter=True,
+          hp_grad_pass=True),
     Stack("megatron-core-2024",
           "Megatron-Core r0.8 as Megatron-LM's README benchmarks it (July 2024): Transformer "
           "Engine's fused kernels and cuDNN attention, the distributed optimizer with "

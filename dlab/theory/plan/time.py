@@ -27,7 +27,9 @@ at share 0, what the window cannot cover at share 1 (``exposed``). Per micro-bat
 - pp: a send of the boundary activation forward and of its gradient backward per micro-batch
   and model chunk, their window the micro-batch's compute; a stage waits for two transfers a
   micro-batch where each send is paired with the receive it waits on, four where sends and
-  receives are separate blocking steps (``Stack.pp_transfers``);
+  receives are separate blocking steps (``Stack.pp_transfers``); a stack that splits the
+  boundary over the tp ranks sends 1/t of it and all-gathers what it receives over them
+  (``Stack.pp_scatter``);
 - data (the dp x cp ranks; ``zero_group`` of them sharing a shard under hybrid sharding, the
   shards all-reduced over the replicas): ZeRO-0 one all-reduce of the gradients behind the
   last micro-batch's backward, ZeRO-1 a reduce-scatter there and one all-gather of the weights
@@ -59,7 +61,7 @@ from dlab.core.precision import PRECISIONS
 from dlab.theory.pipeline import bubble, simulated_bubble
 from dlab.theory.plan import data_comm
 from dlab.theory.plan.collectives import bus_bytes, collective_time
-from dlab.theory.plan.memory import BYTES, layers_on, optimizer_shard
+from dlab.theory.plan.memory import BYTES, layers_on, optimizer_shard, rank_params
 from dlab.theory.plan.ops import end_ops, layer_ops, recomputed
 
 
@@ -204,13 +206,19 @@ def communication(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp
         charge("ep", one, comp["matmul_forward"], _share(stack, knobs, "ep"), m * layers * calls)
         sent["ep"] = m * layers * calls * bus_bytes("all_to_all", buf, lay.ep)
     if lay.pp > 1:
-        boundary = act / (t if lay.sequence_parallel else 1)
+        scatter = stack.pp_scatter and not lay.sequence_parallel and t > 1
+        boundary = act / (t if lay.sequence_parallel or scatter else 1)
         hop = collective_time(cluster, "p2p", boundary, 2, t * cp * lay.dp)
         sends = 2 * lay.virtual_stages * m
         window = (comp["forward"] + comp["backward"]) / lay.virtual_stages
         waits = sends * stack.pp_transfers / 2  # transfers the stage waits for (Stack.pp_transfers)
-        charge("pp", hop, window, _share(stack, knobs, "pp"), waits, micro=False)
+        share = _share(stack, knobs, "pp")
+        charge("pp", hop, window, share, waits, micro=False)
         sent["pp"] = sends * boundary
+        if scatter:  # each received slice all-gathered over the tp ranks (Stack.pp_scatter)
+            charge("pp", collective_time(cluster, "all_gather", act, t), window, share, sends,
+                   micro=False)
+            sent["pp"] += sends * bus_bytes("all_gather", act, t)
     copies = 0.0
     n = lay.dp * cp
     if n > 1:
@@ -237,6 +245,22 @@ def optimizer_time(spec, cluster, lay, pp_rank: int) -> float:
     return optimizer_shard(spec, lay, pp_rank) * per_param / (cluster.hbm * share) + launches
 
 
+#: bytes a parameter DeepSpeed's BF16_Optimizer moves after each micro-batch's backward
+#: (update_hp_grads: ``hp_grad.add_(lp.grad.to(fp32))``): the bf16 gradient read and written
+#: out as a temporary fp32 tensor (2 + 4), which the add reads beside the fp32 gradient before
+#: writing that back (4 + 4 + 4)
+HP_GRAD_PASS = 18
+
+
+def accumulation_time(spec, cluster, lay, stack, pp_rank: int) -> float:
+    """Seconds a micro-batch spends adding its 16-bit gradients into fp32 ones, where the stack
+    does that by a pass of its own (``Stack.hp_grad_pass``), memory-bound."""
+    w, g, _ = BYTES[lay.precision]
+    if not stack.hp_grad_pass or g <= w:
+        return 0.0
+    return HP_GRAD_PASS * sum(rank_params(spec, lay, pp_rank)) / (cluster.hbm * cluster.kernels.hbm)
+
+
 def stage(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp_rank: int,
           knobs: Knobs) -> dict:
     """One pipeline rank's step: seconds by part (before the bubble), bytes sent by dimension,
@@ -245,12 +269,13 @@ def stage(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp_rank: i
     comp = compute(spec, cluster, lay, stack, seq_len, pp_rank, knobs)
     comm = communication(spec, cluster, lay, stack, global_batch, seq_len, pp_rank, comp, knobs)
     recompute = m * comp["layers"] * comp["layer_recompute"]
-    parts = {"compute": m * (comp["forward"] + comp["backward"]) + comm["copies"],
+    accumulate = accumulation_time(spec, cluster, lay, stack, pp_rank)
+    parts = {"compute": m * (comp["forward"] + comp["backward"] + accumulate) + comm["copies"],
              "recompute": recompute,
              **{f"{k}_comm": v for k, v in comm["exposed"].items()},
              "interference": knobs.interference * sum(comm["hidden"].values()),
              "optimizer": optimizer_time(spec, cluster, lay, pp_rank)}
-    per_micro = (comp["forward"] + comp["backward"] + comp["layers"] * comp["layer_recompute"]
+    per_micro = (comp["forward"] + comp["backward"] + accumulate + comp["layers"] * comp["layer_recompute"]
                  + sum(v for k, v in comm["per_micro"].items() if k in ("tp", "cp", "ep")))
     return {"parts": parts, "sent": comm["sent"], "pp_rank": pp_rank, "busy": m * per_micro,
             "own": sum(parts.values())}
