@@ -576,6 +576,14 @@ MUTATIONS = [
         ("tests/test_plan_stacks.py::test_the_bf16_optimizer_adds_each_micro_batchs_gradients_into_fp32_by_a_pass_of_its_own",),
     ),
     Mutation(
+        "plan-hp-grads-memory-dropped",
+        "planner: DeepSpeed's BF16_Optimizer holds only its fp32 gradients, not autograd's bf16 ones",
+        "dlab/theory/plan/memory.py",
+        (("            if stack is not None and stack.hp_grad_pass and g > w:",
+          "            if False:"),),
+        ("tests/test_plan_stacks.py::test_the_bf16_optimizer_adds_each_micro_batchs_gradients_into_fp32_by_a_pass_of_its_own",),
+    ),
+    Mutation(
         "plan-reduce-copies-dropped",
         "planner: a reduce-scatter from a list of one tensor per rank copies nothing into its "
         "flat buffer on the device",

@@ -55,8 +55,9 @@ def test_the_bf16_optimizer_adds_each_micro_batchs_gradients_into_fp32_by_a_pass
     """DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage 0, BigScience's BLOOM) runs
     ``hp_grad.add_(lp.grad.to(fp32))`` over every parameter after each micro-batch's backward:
     18 bytes a parameter read and written at the memory's streaming rate, in each micro-batch's
-    compute (and so in the bubble, which scales it). With 16-bit gradients there is no fp32 copy
-    to add into, and a stack that accumulates in the GEMMs (Megatron-LM's) pays nothing."""
+    compute (and so in the bubble, which scales it), and holds the bf16 gradients beside the fp32
+    ones. With 16-bit gradients there is no fp32 copy to add into, and a stack that accumulates
+    in the GEMMs (Megatron-LM's) pays nothing."""
     lay = PlanLayout(dp=4, tp=8, pp=4, zero=1, micro_batch=1, recompute="full",
                      precision="bf16-fp32-grads")
     m = 16
@@ -68,6 +69,9 @@ def test_the_bf16_optimizer_adds_each_micro_batchs_gradients_into_fp32_by_a_pass
     assert HP_GRAD_PASS == 2 + 4 + 3 * 4
     assert with_pass.time["compute"] - without.time["compute"] == pytest.approx(m * per_micro, rel=1e-6)
     assert with_pass.time["bubble"] > without.time["bubble"]
+    # and it keeps the bf16 gradients autograd wrote beside the fp32 ones: 2 + 4 bytes a parameter
+    assert with_pass.memory["gradients"] - without.memory["gradients"] == pytest.approx(2 * params)
+    assert without.memory["gradients"] == pytest.approx(4 * params)
     bf16 = dataclasses.replace(lay, precision="bf16")
     assert plan(GPT175, A100, bf16, 4 * m, 2048, ds).time["compute"] == pytest.approx(
         plan(GPT175, A100, bf16, 4 * m, 2048, fused).time["compute"], rel=1e-12)

@@ -9,7 +9,9 @@ each. Bytes per parameter (w weights, g gradients, K optimizer state):
     precision          w   g   K
     bf16               2   2   12    ZeRO paper (Rajbhandari et al. 2020, sec. 3.1): fp16/bf16
                                      weights and gradients, fp32 master weights, momentum, variance
-    bf16-fp32-grads    2   4   12    Megatron-LM: gradients accumulated and reduced in fp32
+    bf16-fp32-grads    2   4   12    Megatron-LM: gradients accumulated and reduced in fp32 (a
+                                     stack that adds the bf16 ones into them by a pass of its
+                                     own keeps those too: 2 + 4, ``Stack.hp_grad_pass``)
     fp32               4   4   8     Adam's two moments, no master copy
 
 ZeRO stage z over the n = dp x cp data ranks (n / ep for expert parameters): stage >= 1 divides K
@@ -251,6 +253,11 @@ def memory(spec, lay, global_batch: int, seq_len: int, stack=None) -> dict[str, 
             state = nd_estimate.model_state(cfg, lay.for_batch(global_batch), pp_rank, "adam")
         else:
             state = model_state(spec, lay, pp_rank)
+            w, g, _ = BYTES[lay.precision]
+            if stack is not None and stack.hp_grad_pass and g > w:
+                # the 16-bit gradients autograd writes stay beside the fp32 ones the optimizer
+                # adds them into (Stack.hp_grad_pass: DeepSpeed's BF16_Optimizer)
+                state["gradients"] += w * sum(rank_params(spec, lay, pp_rank))
         out = {**state, "activations": activations(spec, lay, global_batch, seq_len, pp_rank, stack),
                "buffers": 0.0 if spec.gpt is not None else buffers(spec, lay, seq_len, stack)}
         out["total"] = math.fsum(out.values())
