@@ -162,6 +162,13 @@ PRESETS = {
     # line rate the HDR figure keeps (24 of 25 GB/s)
     "a100-80gb-opa": gpu("A100 80GB SXM (Jean Zay: 8 per node, 4 x 100 Gb/s Omni-Path a node)", "A100",
                          80, 2.039e12, 232, 6, A100_KERNELS, (("intra", 0.9, 1.05),)),
+    # IBM's fms-fsdp benchmark machines (its README's table: "A100 80G 128 GPUs with 400Gbps",
+    # "H100 96 GPUs with 800 Gbps"): 8 GPUs a node sharing that much NIC bandwidth, each GPU's
+    # share at the share of line rate the HDR figure keeps (24 of 25 GB/s); NVLink as a DGX's
+    "a100-80gb-400g": gpu("A100 80GB SXM (8 per node, 400 Gb/s of NICs a node)", "A100", 80,
+                          2.039e12, 232, 6, A100_KERNELS, (("intra", 0.9, 1.05),)),
+    "h100-sxm-800g": gpu("H100 SXM (8 per node, 800 Gb/s of NICs a node)", "H100", 80, 3.35e12,
+                         370, 12, H100_KERNELS, (("intra", 0.9, 1.3),)),
     "h100-sxm": gpu("H100 SXM (DGX H100, 8 x 400 Gb/s NDR)", "H100", 80, 3.35e12, 370, 48,
                     H100_KERNELS, (("intra", 0.9, 1.3),)),
     "h200": gpu("H200 SXM (HGX H200, 8 x 400 Gb/s NDR)", "H200", 141, 4.8e12, 370, 48,

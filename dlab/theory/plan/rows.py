@@ -132,6 +132,11 @@ MTNLG = Source("mt-nlg", "Smith et al. 2022, Using DeepSpeed and Megatron to Tra
                "NLG 530B (arXiv 2201.11990), sec. 2.4: batch 1920 on 280, 350 and 420 DGX A100 "
                "nodes, 60.1, 50.2 and 44.4 s an iteration, 126, 121 and 113 teraFLOP/s per GPU",
                "MT-NLG 530B (Smith et al. 2022)")
+FMS = Source("fms-fsdp", "foundation-model-stack/fms-fsdp: README.md, 'Training throughput "
+             "benchmarks', at 4ffb9bd (2024-03-21, eager) and at ed74fd5 (2024-05-09, 'updated with "
+             "torch.compile'): Llama 2 shapes on 128 A100 80GB (400 Gb/s a node) and 96 H100 "
+             "(800 Gb/s a node), PyTorch FSDP1 without model parallelism, its MFU and HFU table "
+             "beside", "IBM fms-fsdp 2024")
 OPT = Source("opt", "Zhang et al. 2022, OPT: Open Pre-trained Transformer Language Models (arXiv "
              "2205.01068), sec. 2.4 ('up to 147 TFLOP/s per GPU' on 992 A100 80GB); its settings "
              "from facebookresearch/metaseq: metaseq/launcher/opt_job_constants.py and "
@@ -283,6 +288,26 @@ def _mtnlg(nodes, tflops) -> Published:
                      alternatives=_other_micro(35, 1)[:2])
 
 
+def _fms(size, sharding, every, a100_tps, h100_tps, compiled, note) -> list[Published]:
+    """A row of IBM's fms-fsdp table on both of its machines: PyTorch FSDP1 over every GPU
+    ("FSDP": FULL_SHARD) or sharded inside a node and replicated across ("HSDP": HYBRID_SHARD,
+    ``zero_group`` 8), each block its own FSDP unit with ``limit_all_gathers``, bf16 weights and
+    reductions (its bfSixteen policy), 2 sequences of 4096 a GPU, one micro-batch a step, SDPA's
+    flash backend; ``every``: one block in every this many recomputed (0: none). Eager PyTorch
+    in its March 2024 table, torch.compile over the model in its May 2024 one."""
+    out = []
+    for cluster, gpus, tps in (("a100-80gb-400g", 128, a100_tps), ("h100-sxm-800g", 96, h100_tps)):
+        lay = PlanLayout(dp=gpus, zero=3, zero_group=8 if sharding == "HSDP" else 0, micro_batch=2,
+                         recompute="full" if every else "none", recompute_every=every or 1,
+                         precision="bf16")
+        other = tuple({"recompute_every": k} for k in (1, 2, 3) if every and k != every)
+        out.append(Published(FMS, PRESETS[f"llama2-{size}"], cluster, lay, 2 * gpus, 4096,
+                             "tokens_per_s_per_gpu", tps,
+                             "pytorch-fsdp1-compile" if compiled else "pytorch-fsdp1",
+                             assumed=note + "; H100 SXM (its 'H100 80G')", alternatives=other))
+    return out
+
+
 def _opt() -> Published:
     """OPT-175B as metaseq ran it: tp 8 over 992 GPUs (dp 124), a batch of 2M tokens split as
     metaseq's launcher does (2,097,152 // 124 // 2048 = 8 sequences a data rank, 992 in all),
@@ -393,4 +418,18 @@ ROWS = [
     _mtnlg(350, 121),
     _mtnlg(420, 113),
     _opt(),
+    *_fms("7b", "HSDP", 0, 3700, 7500, False, "no recomputation (its table)"),
+    *_fms("13b", "FSDP", 2, 1800, 3800, False, "'Selective AC', every second block recomputed: "
+          "its selective_checkpointing k recomputes one block in k, and its HFU over MFU on the "
+          "A100s, 0.59 / 0.51 = 1.16, is recomputing half the blocks' forward (1 + 1/2 x 1/3)"),
+    *_fms("34b", "FSDP", 1, 700, 1550, False, "full recomputation (its table)"),
+    *_fms("70b", "FSDP", 1, 370, 800, False, "full recomputation (its table)"),
+    *_fms("7b", "HSDP", 0, 4550, 9600, True, "no recomputation (its table)"),
+    *_fms("13b", "FSDP", 2, 2150, 4850, True, "'Selective AC' of an unstated share p of the "
+          "blocks: its HFU over MFU on the A100s, 0.69 / 0.61 = 1.13, lies between a half (1.17) "
+          "and a third (1.11); a half assumed"),
+    *_fms("34b", "FSDP", 1, 820, 1830, True, "'Selective AC' of an unstated share: its HFU over "
+          "MFU on the A100s, 0.74 / 0.55 = 1.35, is full recomputation's 4/3: every block"),
+    *_fms("70b", "FSDP", 1, 410, 890, True, "'Selective AC' of an unstated share: its HFU over "
+          "MFU on the A100s, 0.74 / 0.55 = 1.35, is full recomputation's 4/3: every block"),
 ]

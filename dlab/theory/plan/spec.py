@@ -197,6 +197,8 @@ PRESETS = {
     "gpt3-175b": Transformer("GPT-3 175B", 96, 12288, 96, 4 * 12288, 50257, dropout=True),
     "llama2-7b": llama("Llama 2 7B", 32, 4096, 32, 11008, 32000),
     "llama2-13b": llama("Llama 2 13B", 40, 5120, 40, 13824, 32000),
+    # the 34B of Touvron et al. 2023 (trained, not released), as IBM's fms-fsdp configures it
+    "llama2-34b": llama("Llama 2 34B", 48, 8192, 64, 22016, 32000, n_kv_head=8),
     "llama2-70b": llama("Llama 2 70B", 80, 8192, 64, 28672, 32000, n_kv_head=8),
     "llama3-8b": llama("Llama 3 8B", 32, 4096, 32, 14336, 128256, n_kv_head=8),
     "llama3-70b": llama("Llama 3 70B", 80, 8192, 64, 28672, 128256, n_kv_head=8),
