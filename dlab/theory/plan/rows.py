@@ -1,7 +1,7 @@
 """The published rows the planner is scored on (``dlab.theory.plan.published``), as code: each
 source's configurations with the figure as the source states it, where it states it.
 
-Ten sources, 89 configurations, two GPU generations, the stacks they ran:
+Eleven sources, 105 configurations, two GPU generations, the stacks they ran:
 
 - Narayanan et al. 2021 (Megatron-LM, 3D parallelism on A100s), table 1: 10 rows;
 - Korthikanti et al. 2022 (sequence parallelism, selective recomputation, A100s), table 4: 8;
@@ -15,12 +15,12 @@ and, added after the planner was built and scored blind when added (``blind.json
 - BigScience's Megatron-DeepSpeed runs (BLOOM on Jean Zay's A100s): 11;
 - Narayanan et al. 2021, table 2 (DeepSpeed's ZeRO-3 without model parallelism beside PTD-P at a
   fixed batch as the GPUs double): 12;
-- MT-NLG 530B (Smith et al. 2022): 3; OPT-175B (Zhang et al. 2022, metaseq): 1.
+- MT-NLG 530B (Smith et al. 2022): 3; OPT-175B (Zhang et al. 2022, metaseq): 1;
+- IBM's fms-fsdp (PyTorch FSDP1, eager and compiled, on 128 A100s and 96 H100s): 16.
 
 Each row says what was assumed where its source is silent (``Published.assumed``). Left out:
 rows in fp8 (the planner prices bf16 kernels only), torchtitan's 405B row (its "H100 (94GB
-memory)" matches no machine the project describes), IBM's fms-fsdp table (its "selective"
-recomputation checkpoints an unstated share of the blocks).
+memory)" matches no machine the project describes).
 """
 from __future__ import annotations
 

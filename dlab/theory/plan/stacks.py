@@ -256,8 +256,8 @@ PRESETS = {s.name: s for s in (
           "unit's gather, FULL_SHARD gathering again for backward (SHARD_GRAD_OP is zero=2)",
           fused=False, attention="fa2", grads=1.0, params=1.0, bucket=0.0, sharding=FLAT_PARAMETERS),
     Stack("pytorch-fsdp1-compile",
-          "FSDP1 with torch.compile, as IBM's fms-fsdp runs it (SDPA FlashAttention-2, "
-          "selective recomputation of the attention core)", fused=True, attention="fa2",
+          "FSDP1 with torch.compile over the model, as IBM's fms-fsdp runs it (SDPA's "
+          "FlashAttention-2, each block its own unit, limit_all_gathers)", fused=True, attention="fa2",
           grads=1.0, params=1.0, bucket=0.0, sharding=FLAT_PARAMETERS),
     Stack("metaseq",
           "metaseq as OPT-175B was trained (Zhang et al. 2022, sec. 2.4; facebookresearch/"
