@@ -253,10 +253,12 @@ def _titan(model, gpus, batch, seq, recompute, tps, cluster, stack, every=1, not
 
 def _mpt(size, layers, hidden, heads, gpus, micro, tps, sharding, ac) -> Published:
     """An MPT of llm-foundry's table: GeLU, f = 4h, tied embedding, vocabulary 50368, sequence
-    2048, FlashAttention (triton), FSDP with pure bf16 (weights, gradients and reductions)."""
+    2048, FlashAttention (triton), FSDP in the table's "amp_bf16" with Composer's "DEFAULT" mixed
+    precision: bf16 weights, gradients reduced in fp32 (Composer v0.17.2, the version the
+    README's commit pins: composer/trainer/mosaic_fsdp_utils.py, ``reduce_dtype = float32``)."""
     spec = Transformer(f"MPT {size}", layers, hidden, heads, 4 * hidden, 50368, tied=True)
     lay = PlanLayout(dp=gpus, zero=3 if sharding == "FULL_SHARD" else 2, micro_batch=micro,
-                     recompute="full" if ac else "none", precision="bf16")
+                     recompute="full" if ac else "none", precision="bf16-fp32-grads")
     return Published(FOUNDRY, spec, "h100-sxm", lay, gpus * micro, 2048, "tokens_per_s_per_gpu", tps,
                      "pytorch-fsdp1", assumed="DGX H100 nodes (the platform's network is not stated)")
 
