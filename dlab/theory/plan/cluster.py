@@ -156,6 +156,10 @@ def gpu(name: str, model: str, memory_gb: float, hbm: float, intra: float, inter
 PRESETS = {
     "a100-80gb": gpu("A100 80GB SXM (DGX A100, 8 x 200 Gb/s HDR)", "A100", 80, 2.039e12, 232, 24,
                      A100_KERNELS, (("intra", 0.9, 1.05),)),
+    # the 40 GB part (its data sheet's 1.555 TB/s) in nodes of eight with 8 x 200 Gb/s, as
+    # MosaicML's llm-foundry benchmarked it ("A100 40GB with 1600 Gbps node-node interconnect")
+    "a100-40gb": gpu("A100 40GB SXM (8 per node, 8 x 200 Gb/s)", "A100", 40, 1.555e12, 232, 24,
+                     A100_KERNELS, (("intra", 0.9, 1.05),)),
     # Jean Zay's A100 partition, where BigScience trained BLOOM (its tr11-176B-ml README:
     # "8 GPUs per node using NVLink 4 inter-gpu connects, 4 OmniPath links"): four 100 Gb/s
     # links a node, so each GPU's share of the NICs is an eighth of 50 GB/s, at the share of

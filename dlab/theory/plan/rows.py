@@ -1,7 +1,7 @@
 """The published rows the planner is scored on (``dlab.theory.plan.published``), as code: each
 source's configurations with the figure as the source states it, where it states it.
 
-Eleven sources, 105 configurations, two GPU generations, the stacks they ran:
+Twelve sources, 135 configurations, two GPU generations, the stacks they ran:
 
 - Narayanan et al. 2021 (Megatron-LM, 3D parallelism on A100s), table 1: 10 rows;
 - Korthikanti et al. 2022 (sequence parallelism, selective recomputation, A100s), table 4: 8;
@@ -16,7 +16,8 @@ and, added after the planner was built and scored blind when added (``blind.json
 - Narayanan et al. 2021, table 2 (DeepSpeed's ZeRO-3 without model parallelism beside PTD-P at a
   fixed batch as the GPUs double): 12;
 - MT-NLG 530B (Smith et al. 2022): 3; OPT-175B (Zhang et al. 2022, metaseq): 1;
-- IBM's fms-fsdp (PyTorch FSDP1, eager and compiled, on 128 A100s and 96 H100s): 16.
+- IBM's fms-fsdp (PyTorch FSDP1, eager and compiled, on 128 A100s and 96 H100s): 16;
+- llm-foundry's A100 tables, their rows over more than one node (FSDP1 at 16-128 GPUs): 30.
 
 Each row says what was assumed where its source is silent (``Published.assumed``). Left out:
 rows in fp8 (the planner prices bf16 kernels only), torchtitan's 405B row (its "H100 (94GB
@@ -132,6 +133,11 @@ MTNLG = Source("mt-nlg", "Smith et al. 2022, Using DeepSpeed and Megatron to Tra
                "NLG 530B (arXiv 2201.11990), sec. 2.4: batch 1920 on 280, 350 and 420 DGX A100 "
                "nodes, 60.1, 50.2 and 44.4 s an iteration, 126, 121 and 113 teraFLOP/s per GPU",
                "MT-NLG 530B (Smith et al. 2022)")
+FOUNDRY_A100 = Source("llm-foundry-a100", "mosaicml/llm-foundry: scripts/train/benchmarking/"
+                      "README.md at 5e85bd6 (2024-01-06), 'A100 80GB with 1600 Gbps node-node "
+                      "interconnect (RoCE)' and 'A100 40GB with 1600 Gbps node-node interconnect "
+                      "(RoCE)': their rows over more than one node (16 to 128 GPUs)",
+                      "llm-foundry A100 2024")
 FMS = Source("fms-fsdp", "foundation-model-stack/fms-fsdp: README.md, 'Training throughput "
              "benchmarks', at 4ffb9bd (2024-03-21, eager) and at ed74fd5 (2024-05-09, 'updated with "
              "torch.compile'): Llama 2 shapes on 128 A100 80GB (400 Gb/s a node) and 96 H100 "
@@ -261,6 +267,24 @@ def _mpt(size, layers, hidden, heads, gpus, micro, tps, sharding, ac) -> Publish
                      recompute="full" if ac else "none", precision="bf16-fp32-grads")
     return Published(FOUNDRY, spec, "h100-sxm", lay, gpus * micro, 2048, "tokens_per_s_per_gpu", tps,
                      "pytorch-fsdp1", assumed="DGX H100 nodes (the platform's network is not stated)")
+
+
+#: MPT shapes (layers, width, heads) of llm-foundry's yamls (scripts/train/yamls/pretrain)
+MPT = {"350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20),
+       "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
+
+
+def _mpt_a100(size, memory, gpus, micro, accum, tps, ac) -> Published:
+    """A multi-node row of llm-foundry's A100 tables: an MPT (as ``_mpt``) under FSDP1's
+    FULL_SHARD in "bf16" with Composer's "PURE" mixed precision (bf16 weights, gradients and
+    reductions), ``accum`` micro-batches of ``micro`` sequences a step."""
+    layers, hidden, heads = MPT[size]
+    spec = Transformer(f"MPT {size}", layers, hidden, heads, 4 * hidden, 50368, tied=True)
+    lay = PlanLayout(dp=gpus, zero=3, micro_batch=micro, recompute="full" if ac else "none",
+                     precision="bf16")
+    return Published(FOUNDRY_A100, spec, f"a100-{memory}gb", lay, gpus * micro * accum, 2048,
+                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
+                     assumed="its nodes as DGX A100s (8 GPUs, NVSwitch; 1600 Gb/s a node as 8 x 200)")
 
 
 def _bigscience(name, layers, hidden, heads, dp, tp, pp, micro, batch, seconds, where) -> Published:
@@ -420,6 +444,20 @@ ROWS = [
     _mtnlg(350, 121),
     _mtnlg(420, 113),
     _opt(),
+    _mpt_a100("70b", 80, 64, 8, 4, 410, True),
+    _mpt_a100("70b", 80, 32, 2, 16, 373, True),
+    *(_mpt_a100(size, 40, gpus, micro, 1, tps, ac) for size, gpus, micro, tps, ac in (
+        ("70b", 128, 4, 376, True), ("70b", 64, 2, 276, True), ("30b", 128, 6, 865, True),
+        ("30b", 32, 4, 857, True), ("13b", 128, 16, 1972, True), ("13b", 64, 16, 1976, True),
+        ("13b", 32, 14, 1998, True), ("13b", 16, 10, 1993, True), ("7b", 128, 18, 3623, True),
+        ("7b", 64, 18, 3665, True), ("7b", 32, 18, 3725, True), ("7b", 16, 16, 3645, True),
+        ("3b", 128, 6, 9538, False), ("3b", 64, 6, 9736, False), ("3b", 32, 6, 9914, False),
+        ("3b", 16, 5, 9750, False), ("1b", 128, 10, 18647, False), ("1b", 64, 10, 19001, False),
+        ("1b", 32, 10, 15555, False), ("1b", 16, 8, 19085, False), ("760m", 128, 12, 28940, False),
+        ("760m", 64, 12, 29344, False), ("760m", 32, 12, 29648, False),
+        ("760m", 16, 12, 29607, False), ("350m", 128, 18, 51934, False),
+        ("350m", 64, 18, 52689, False), ("350m", 32, 18, 53811, False),
+        ("350m", 16, 18, 55413, False))),
     *_fms("7b", "HSDP", 0, 3700, 7500, False, "no recomputation (its table)"),
     *_fms("13b", "FSDP", 2, 1800, 3800, False, "'Selective AC', every second block recomputed: "
           "its selective_checkpointing k recomputes one block in k, and its HFU over MFU on the "
