@@ -257,32 +257,36 @@ def _titan(model, gpus, batch, seq, recompute, tps, cluster, stack, every=1, not
                      tps, stack, assumed=note or "SDPA's flash backend, the selective op policy")
 
 
-def _mpt(size, layers, hidden, heads, gpus, micro, tps, sharding, ac) -> Published:
+#: MPT shapes (layers, width, heads) of llm-foundry's yamls (scripts/train/yamls/pretrain)
+MPT = {"350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20),
+       "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
+
+
+def _mpt_spec(size) -> Transformer:
+    """An MPT of llm-foundry's yamls: GeLU, f = 4h, tied embedding, vocabulary 50368."""
+    layers, hidden, heads = MPT[size]
+    return Transformer(f"MPT {size}", layers, hidden, heads, 4 * hidden, 50368, tied=True)
+
+
+def _mpt(size, gpus, micro, tps, sharding, ac) -> Published:
     """An MPT of llm-foundry's table: GeLU, f = 4h, tied embedding, vocabulary 50368, sequence
     2048, FlashAttention (triton), FSDP in the table's "amp_bf16" with Composer's "DEFAULT" mixed
     precision: bf16 weights, gradients reduced in fp32 (Composer v0.17.2, the version the
     README's commit pins: composer/trainer/mosaic_fsdp_utils.py, ``reduce_dtype = float32``)."""
-    spec = Transformer(f"MPT {size}", layers, hidden, heads, 4 * hidden, 50368, tied=True)
     lay = PlanLayout(dp=gpus, zero=3 if sharding == "FULL_SHARD" else 2, micro_batch=micro,
                      recompute="full" if ac else "none", precision="bf16-fp32-grads")
-    return Published(FOUNDRY, spec, "h100-sxm", lay, gpus * micro, 2048, "tokens_per_s_per_gpu", tps,
-                     "pytorch-fsdp1", assumed="DGX H100 nodes (the platform's network is not stated)")
-
-
-#: MPT shapes (layers, width, heads) of llm-foundry's yamls (scripts/train/yamls/pretrain)
-MPT = {"350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20),
-       "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
+    return Published(FOUNDRY, _mpt_spec(size), "h100-sxm", lay, gpus * micro, 2048,
+                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
+                     assumed="DGX H100 nodes (the platform's network is not stated)")
 
 
 def _mpt_a100(size, memory, gpus, micro, accum, tps, ac) -> Published:
     """A multi-node row of llm-foundry's A100 tables: an MPT (as ``_mpt``) under FSDP1's
     FULL_SHARD in "bf16" with Composer's "PURE" mixed precision (bf16 weights, gradients and
     reductions), ``accum`` micro-batches of ``micro`` sequences a step."""
-    layers, hidden, heads = MPT[size]
-    spec = Transformer(f"MPT {size}", layers, hidden, heads, 4 * hidden, 50368, tied=True)
     lay = PlanLayout(dp=gpus, zero=3, micro_batch=micro, recompute="full" if ac else "none",
                      precision="bf16")
-    return Published(FOUNDRY_A100, spec, f"a100-{memory}gb", lay, gpus * micro * accum, 2048,
+    return Published(FOUNDRY_A100, _mpt_spec(size), f"a100-{memory}gb", lay, gpus * micro * accum, 2048,
                      "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
                      assumed="its nodes as DGX A100s (8 GPUs, NVSwitch; 1600 Gb/s a node as 8 x 200)")
 
@@ -403,24 +407,24 @@ ROWS = [
            note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
     _titan("llama3-8b", 128, 2, 8192, "selective", 6514, "h100-grand-teton", "torchtitan-fsdp2-compile",
            note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
-    _mpt("70b", 80, 8192, 64, 512, 8, 1007, "FULL_SHARD", True),
-    _mpt("70b", 80, 8192, 64, 256, 8, 1035, "FULL_SHARD", True),
-    _mpt("70b", 80, 8192, 64, 128, 8, 1058, "FULL_SHARD", True),
-    _mpt("30b", 48, 7168, 56, 512, 8, 2115, "FULL_SHARD", True),
-    _mpt("30b", 48, 7168, 56, 256, 8, 2148, "FULL_SHARD", True),
-    _mpt("30b", 48, 7168, 56, 128, 8, 2199, "FULL_SHARD", True),
-    _mpt("13b", 40, 5120, 40, 512, 16, 4952, "FULL_SHARD", True),
-    _mpt("13b", 40, 5120, 40, 256, 16, 4989, "FULL_SHARD", True),
-    _mpt("13b", 40, 5120, 40, 128, 16, 5080, "FULL_SHARD", True),
-    _mpt("7b", 32, 4096, 32, 512, 6, 9670, "FULL_SHARD", False),
-    _mpt("7b", 32, 4096, 32, 256, 6, 10119, "FULL_SHARD", False),
-    _mpt("7b", 32, 4096, 32, 128, 6, 10475, "FULL_SHARD", False),
-    _mpt("3b", 32, 2560, 20, 512, 8, 21664, "SHARD_GRAD_OP", False),
-    _mpt("3b", 32, 2560, 20, 256, 8, 22772, "SHARD_GRAD_OP", False),
-    _mpt("3b", 32, 2560, 20, 128, 8, 23422, "SHARD_GRAD_OP", False),
-    _mpt("1b", 24, 2048, 16, 512, 12, 39837, "SHARD_GRAD_OP", False),
-    _mpt("1b", 24, 2048, 16, 256, 12, 42555, "SHARD_GRAD_OP", False),
-    _mpt("1b", 24, 2048, 16, 128, 12, 44123, "SHARD_GRAD_OP", False),
+    _mpt("70b", 512, 8, 1007, "FULL_SHARD", True),
+    _mpt("70b", 256, 8, 1035, "FULL_SHARD", True),
+    _mpt("70b", 128, 8, 1058, "FULL_SHARD", True),
+    _mpt("30b", 512, 8, 2115, "FULL_SHARD", True),
+    _mpt("30b", 256, 8, 2148, "FULL_SHARD", True),
+    _mpt("30b", 128, 8, 2199, "FULL_SHARD", True),
+    _mpt("13b", 512, 16, 4952, "FULL_SHARD", True),
+    _mpt("13b", 256, 16, 4989, "FULL_SHARD", True),
+    _mpt("13b", 128, 16, 5080, "FULL_SHARD", True),
+    _mpt("7b", 512, 6, 9670, "FULL_SHARD", False),
+    _mpt("7b", 256, 6, 10119, "FULL_SHARD", False),
+    _mpt("7b", 128, 6, 10475, "FULL_SHARD", False),
+    _mpt("3b", 512, 8, 21664, "SHARD_GRAD_OP", False),
+    _mpt("3b", 256, 8, 22772, "SHARD_GRAD_OP", False),
+    _mpt("3b", 128, 8, 23422, "SHARD_GRAD_OP", False),
+    _mpt("1b", 512, 12, 39837, "SHARD_GRAD_OP", False),
+    _mpt("1b", 256, 12, 42555, "SHARD_GRAD_OP", False),
+    _mpt("1b", 128, 12, 44123, "SHARD_GRAD_OP", False),
     _bigscience("BLOOM 176B", 70, 14336, 112, 8, 4, 12, 2, 2048, 104.70,
                 "README: iteration 85376 at batch 2048"),
     _bigscience("BLOOM 176B", 70, 14336, 112, 8, 4, 12, 2, 16, 15.23,
