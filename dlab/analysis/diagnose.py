@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from dlab.core.disk import ELSEWHERE, RESERVED_BYTES
-from dlab.core.rundir import RunDir
+from dlab.core.rundir import RunDir, read_json_object
 
 PEER_GONE = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
              "connection refused", "socket", "peer", "aborted")
@@ -33,7 +33,8 @@ _TORCHRUN_FAILURE = re.compile(r"(?:time\s*:\s*(\S+)\s*\n[^\n]*\n\s*)?rank\s*:\s
                                r"\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?")
 #: torchrun's agent tearing the ranks down after a failure (it logs each pid it signals, and with
 #: which signal)
-_CLOSING = re.compile(r"Sending process (\d+) closing signal (SIG[A-Z]+)")
+_CLOSING = re.compile(r"(?:Sending process (\d+) closing signal|Closing process (\d+) via signal) "
+                      r"(SIG[A-Z]+)")
 #: and the SIGKILL that follows when a rank ignores the closing SIGTERM
 _FORCED = re.compile(r"Unable to shutdown process (\d+) via \d+,\s*forcefully exiting via (\d+)")
 _FIRST = "Root Cause (first observed failure)"
@@ -94,9 +95,10 @@ def own_error(report: dict) -> bool:
 
 @dataclass(frozen=True)
 class Ended:
-    """A failed rank as torchrun's failure table lists it."""
+    """A failed rank as torchrun's failure table lists it, or as the keeper of a forked rank
+    recorded its end (``dlab.procs.agent``: exact where the table has a second)."""
     exit_code: int
-    seen: float  # when torchrun saw it end (seconds since the epoch, to the second; inf: not said)
+    seen: float  # when it was seen to end (seconds since the epoch; torchrun's to the second; inf: not said)
     first: bool  # torchrun's "Root Cause (first observed failure)"
     # torchrun's closing signal ended it: a casualty. It sends that signal to every rank it still
     # lists, including one that has just exited on its own (torchrun had not seen it yet): that
@@ -105,11 +107,12 @@ class Ended:
 
 
 def torchrun_failures(run: RunDir) -> dict[int, Ended]:
-    """The failed ranks of torchrun's failure table, by rank."""
+    """The failed ranks of torchrun's failure table, by rank; where a forked rank's keeper
+    recorded the end, that record (torch's agent lists only the first failure of a forked run)."""
     text = _read(run / "torchrun.log")
     closed: dict[int, set[int]] = {}  # pid: the exit codes torchrun's signals to it would give
-    for pid, name in _CLOSING.findall(text):
-        closed.setdefault(int(pid), set()).add(-getattr(signal, name, signal.SIGTERM))
+    for pid, forked_pid, name in _CLOSING.findall(text):
+        closed.setdefault(int(pid or forked_pid), set()).add(-getattr(signal, name, signal.SIGTERM))
     for pid, number in _FORCED.findall(text):
         closed.setdefault(int(pid), set()).add(-int(number))
     first_at = text.find(_FIRST)
@@ -118,6 +121,14 @@ def torchrun_failures(run: RunDir) -> dict[int, Ended]:
         when, rank, code, pid = m.groups()
         out[int(rank)] = Ended(int(code), _seconds(when), 0 <= first_at < m.start(),
                                pid is not None and int(code) in closed.get(int(pid), ()))
+    # a forked rank's keeper saw its end exactly (dlab.procs.agent); one ended by a signal passed
+    # on to it counts as torchrun's table would count it: torn down in a run torchrun saw fail,
+    # not listed in a run stopped from outside (torchrun writes no table then)
+    for r in run.ranks():
+        end = read_json_object(run.exit_file(r))
+        if end and isinstance(end.get("exit_code"), int) and (first_at >= 0 or not end.get("torn_down")):
+            out[r] = Ended(end["exit_code"], float(end.get("time", float("inf"))), False,
+                           bool(end.get("torn_down")))
     return out
 
 

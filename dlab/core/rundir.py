@@ -13,6 +13,8 @@
                                the clock-aligning barrier), plus mb / stage where they apply
       ranks/rank{r}.pid        written by the rank when it starts: its pid and host
       ranks/rank{r}.json       written by the rank when it ends: ok, or its exception + traceback
+      ranks/rank{r}.exit.json  a forked rank's end other than status 0, by its keeper (exit code,
+                               negative for a signal; when; whether a signal passed on ended it)
       status.json              written by the launcher when the run ends: state, exit code per rank
       final_state.pt           full final parameters, from rank 0 (only with save_final=True);
       final_state_rank{r}.pt   the same from every rank (replicas must agree bit for bit)
@@ -231,6 +233,9 @@ class RunDir:
 
     def pid_file(self, rank: int) -> Path:
         return self.path / "ranks" / f"rank{rank}.pid"
+
+    def exit_file(self, rank: int) -> Path:
+        return self.path / "ranks" / f"rank{rank}.exit.json"
 
     # reading ----------------------------------------------------------------------------
     def config(self) -> dict:

@@ -47,7 +47,8 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
     with new_run_dir(runs_dir, cfg.name or f"{strategy}-w{world_size}") as run_dir:
         cfg.save(run_dir / "config.json")
         run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
-                             threads=cfg.threads_per_rank, max_restarts=cfg.max_restarts)
+                             threads=cfg.threads_per_rank, max_restarts=cfg.max_restarts,
+                             forked=cfg.resolved_device() == "cpu")
     if dashboard:
         from dlab.ui.dashboard import watch  # ipywidgets, a lab extra: loaded for a dashboard only
 
@@ -112,6 +113,10 @@ TORCHRUN = [sys.executable, "-c", "import os, sys\n"
             "main()\n"
             "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)"]
 
+#: torchrun's agent forking its ranks from one import of torch and the worker (on CPUs: see
+#: ``dlab.procs.agent``)
+FORKING_AGENT = [sys.executable, "-m", "dlab.procs.agent"]
+
 
 def agent_log_dir(run_dir: RunDir) -> Path:
     """Where torchrun's agent keeps its per-attempt folders: in the run directory. Without
@@ -121,9 +126,10 @@ def agent_log_dir(run_dir: RunDir) -> Path:
 
 
 def start_torchrun(run_dir: RunDir, nproc: int, args: list[str], threads: int = 1,
-                   max_restarts: int = 0, program: str = "dlab.worker") -> Run:
+                   max_restarts: int = 0, program: str = "dlab.worker", forked: bool = False) -> Run:
     """Start torchrun on a free port, its ranks running ``python -m program --run-dir run_dir
-    *args``, and return once it holds that port (the rendezvous store).
+    *args`` (``forked``: forked from its agent, ``dlab.procs.agent``), and return once it holds
+    that port (the rendezvous store).
 
     ``free_port`` only says the port was free a moment ago: a stranger may bind it before
     torchrun does, and torchrun then waits on the stranger in silence for its 10-minute
@@ -133,7 +139,7 @@ def start_torchrun(run_dir: RunDir, nproc: int, args: list[str], threads: int = 
     env = worker_env(threads, max_restarts > 0)
     for attempt in range(1, RDZV_TRIES + 1):
         port = free_port()
-        cmd = [*TORCHRUN, "--nnodes=1",
+        cmd = [*(FORKING_AGENT if forked else TORCHRUN), "--nnodes=1",
                f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_dir.path.name}",
                f"--max-restarts={max_restarts}", "--monitor-interval=0.1",

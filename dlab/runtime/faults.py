@@ -58,7 +58,9 @@ def maybe_inject(fault: dict | None, rank: int, step: int, attempt: int = 0) -> 
         os._exit(3)
     if kind == "preempt":
         print(f"injected fault: rank {rank} sends SIGTERM to its launcher at step {step}", flush=True)
-        os.kill(os.getppid(), signal.SIGTERM)
+        # the launcher: torchrun's agent, the parent of a rank it started as a command, the
+        # grandparent of one it forked (dlab.procs.agent names itself)
+        os.kill(int(os.environ.get("DLAB_AGENT_PID") or os.getppid()), signal.SIGTERM)
     if kind == "hang":
         print(f"injected fault: rank {rank} stops taking part at step {step}", flush=True)
         while True:

@@ -1,0 +1,144 @@
+"""torchrun's agent with its ranks forked from it: ``python -m dlab.procs.agent <torchrun flags>
+-m dlab.worker --run-dir ...``, what ``dlab.launch`` starts for a run on CPUs.
+
+Everything torchrun does stays torchrun's: its flags (``torch.distributed.run.parse_args``), its
+rendezvous, its monitoring of the ranks, its restarts, its failure summary; the agent is
+torch's own (``elastic_launch``). What changes is how a rank starts. torchrun runs a command
+line per rank, a fresh interpreter that imports torch, then torch._dynamo when it builds its
+first optimizer: 4.5 s of CPU a rank on the 2-core machine, so that a 4-rank run of one step
+took 11 s, most of it four imports of the same library on two cores. Given a function, the
+agent forks its ranks (``start_method="fork"``) from a process that has imported all of it
+once: the same run takes 5 s, the agent's one import (``python -m dlab bench launch``).
+
+Each rank is two processes. The one torch's agent forks, the rank's *keeper*, forks the rank
+and waits for it: it passes on the signals it gets (the agent's closing SIGTERM, a stop), and
+when the rank ends other than with status 0 it writes how (``ranks/rank{r}.exit.json``: the
+exit code, negative for a signal, when, and whether a signal it passed on ended it), then ends
+with the same status. torch's agent reports one failed rank of a forked run, the first it
+finds, where torchrun's table of commands lists every one; the keepers' records are how
+``dlab.analysis.diagnose`` still tells the rank killed first from the peers that failed after.
+
+A rank starts as torchrun's own would: in a session of its own (torchrun starts each with
+``start_new_session``), with the default signal handlers (the agent's turn SIGTERM into an
+exception in its own loop), with its command line's arguments, and ends with ``os._exit`` as
+one started as a command does (``dlab.runtime.rank.serve``). Its command line (``ps``) is the
+agent's, which names the run directory as a rank's did. A rank's launcher, to which the
+``preempt`` fault sends its notice, is the agent (``DLAB_AGENT_PID``), not its keeper.
+
+Only on CPUs: a process that has touched CUDA cannot be forked into ranks that use it, and the
+agent imports torch; under NCCL the ranks start as torchrun's commands (``launch.TORCHRUN``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+import traceback
+
+# imported once by the agent, inherited by every rank it forks: the worker, and torch._dynamo,
+# which an optimizer's first construction imports (2.2 s of CPU on the 2-core machine, as long
+# as torch's own import)
+import torch._dynamo  # noqa: F401
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, parse_args
+
+from dlab.core.disk import within, write_json
+from dlab.core.rundir import RunDir
+from dlab.runtime.rank import die_with_parent
+from dlab.worker.main import main as worker_main
+
+#: the program a forked rank runs; its modules are imported by the agent, once, before it forks
+PROGRAM = "dlab.worker"
+#: what a keeper passes on to its rank
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2)
+#: seconds a keeper gives the record of its rank's end (a hung disk must not keep it alive)
+RECORD_S = 5.0
+
+
+def rank_main(*argv: str) -> None:
+    """The process torch's agent forked for a rank (the keeper): fork the rank, wait for it,
+    record an end other than status 0, end as it did."""
+    agent = os.getppid()
+    os.setsid()
+    die_with_parent()
+    os.environ["DLAB_AGENT_PID"] = str(agent)
+    rank = os.fork()
+    if rank == 0:
+        _run_rank(argv)
+    passed: set[int] = set()
+
+    def pass_on(signum, frame) -> None:
+        passed.add(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank, signum)
+
+    for sig in PASSED_ON:
+        signal.signal(sig, pass_on)
+    _, status = os.waitpid(rank, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:
+        return  # to torch's wrapper, which hands the agent this rank's (empty) result
+    record_end(RunDir(argv[argv.index("--run-dir") + 1]), int(os.environ["RANK"]),
+               {"exit_code": code, "time": time.time(), "torn_down": code < 0 and -code in passed})
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+        os.kill(os.getpid(), -code)
+    os._exit(code if code > 0 else 128 - code)
+
+
+def record_end(run: RunDir, rank: int, end: dict) -> None:
+    """Write ``ranks/rank{r}.exit.json``, or give up after ``RECORD_S`` (a full or hung disk:
+    the diagnosis falls back on torch's agent's table)."""
+    def write() -> None:
+        run.exit_file(rank).parent.mkdir(parents=True, exist_ok=True)
+        write_json(run.exit_file(rank), end)
+
+    with contextlib.suppress(OSError):
+        within(RECORD_S, write)
+
+
+def _run_rank(argv: tuple[str, ...]) -> None:
+    """The rank: ``python -m dlab.worker *argv``, which ends the process itself."""
+    for sig in PASSED_ON:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = [PROGRAM, *argv]
+    code = 1
+    try:
+        worker_main(list(argv))
+        code = 0
+    except SystemExit as e:  # argparse's refusal, as the command would have exited
+        code = e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - before its report exists: as the interpreter would
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    if not args.module or args.training_script != PROGRAM:
+        raise SystemExit(f"dlab.procs.agent forks {PROGRAM} only: run it as "
+                         f"'-m {PROGRAM} ...' (got {args.training_script!r})")
+    config, _, _ = config_from_args(args)
+    config.start_method = "fork"
+    elastic_launch(config=config, entrypoint=rank_main)(*args.training_script_args)
+
+
+if __name__ == "__main__":
+    try:
+        record(main)()  # as torchrun's own main: a failure's summary, then exit status 1
+    finally:
+        # as torchrun's main under dlab (launch.TORCHRUN): no teardown of torch once it returned
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)
