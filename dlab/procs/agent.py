@@ -1,5 +1,6 @@
 """torchrun's agent with its ranks forked from it: ``python -m dlab.procs.agent <torchrun flags>
--m dlab.worker --run-dir ...``, what ``dlab.launch`` starts for a run on CPUs.
+-m dlab.worker --run-dir ...`` (or ``-m dlab.runtime.call``), what ``dlab.launch`` (and
+``dlab.spawn``) start on CPUs.
 
 Everything torchrun does stays torchrun's: its flags (``torch.distributed.run.parse_args``), its
 rendezvous, its monitoring of the ranks, its restarts, its failure summary; the agent is
@@ -20,8 +21,8 @@ finds, where torchrun's table of commands lists every one; the keepers' records 
 
 A rank starts as torchrun's own would: in a session of its own (torchrun starts each with
 ``start_new_session``), with the default signal handlers (the agent's turn SIGTERM into an
-exception in its own loop), with its command line's arguments, and ends with ``os._exit`` as
-one started as a command does (``dlab.runtime.rank.serve``). Its command line (``ps``) is the
+exception in its own loop), with its command line's arguments, and ends as one started as a
+command does (``_run_rank``). Its command line (``ps``) is the
 agent's, which names the run directory as a rank's did. A rank's launcher, to which the
 ``preempt`` fault sends its notice, is the agent (``DLAB_AGENT_PID``), not its keeper.
 
@@ -31,16 +32,14 @@ agent imports torch; under NCCL the ranks start as torchrun's commands (``launch
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
-# imported once by the agent, inherited by every rank it forks: the worker, and torch._dynamo,
-# which an optimizer's first construction imports (2.2 s of CPU on the 2-core machine, as long
-# as torch's own import)
-import torch._dynamo  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args
@@ -48,10 +47,10 @@ from torch.distributed.run import config_from_args, parse_args
 from dlab.core.disk import within, write_json
 from dlab.core.rundir import RunDir
 from dlab.runtime.rank import die_with_parent
-from dlab.worker.main import main as worker_main
 
-#: the program a forked rank runs; its modules are imported by the agent, once, before it forks
-PROGRAM = "dlab.worker"
+#: the programs a forked rank runs (``python -m NAME``), each a function of its arguments;
+#: what the agent imports for one, once, before it forks (``_preload``)
+PROGRAMS = {"dlab.worker": "dlab.worker.main", "dlab.runtime.call": "dlab.runtime.call"}
 #: what a keeper passes on to its rank
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
@@ -59,7 +58,7 @@ PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 RECORD_S = 5.0
 
 
-def rank_main(*argv: str) -> None:
+def rank_main(program: str, *argv: str) -> None:
     """The process torch's agent forked for a rank (the keeper): fork the rank, wait for it,
     record an end other than status 0, end as it did."""
     agent = os.getppid()
@@ -68,7 +67,7 @@ def rank_main(*argv: str) -> None:
     os.environ["DLAB_AGENT_PID"] = str(agent)
     rank = os.fork()
     if rank == 0:
-        _run_rank(argv)
+        _run_rank(program, argv)
     passed: set[int] = set()
 
     def pass_on(signum, frame) -> None:
@@ -102,15 +101,22 @@ def record_end(run: RunDir, rank: int, end: dict) -> None:
         within(RECORD_S, write)
 
 
-def _run_rank(argv: tuple[str, ...]) -> None:
-    """The rank: ``python -m dlab.worker *argv``, which ends the process itself."""
+def _run_rank(program: str, argv: tuple[str, ...]) -> None:
+    """The rank: ``python -m program *argv``. The worker ends its process itself
+    (``os._exit``); a program that returns (``dlab.spawn``'s, running the caller's code) ends
+    as the interpreter's exit begins, with the threads that code left running joined. What the
+    interpreter would do after (``atexit``, the teardown of modules) is not done: the handlers
+    are the agent's, inherited, as much as the rank's."""
     for sig in PASSED_ON:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.argv = [PROGRAM, *argv]
+    sys.argv = [program, *argv]
     code = 1
     try:
-        worker_main(list(argv))
+        sys.modules[PROGRAMS[program]].main(list(argv))
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
         code = 0
     except SystemExit as e:  # argparse's refusal, as the command would have exited
         code = e.code if isinstance(e.code, int) else 1
@@ -124,14 +130,25 @@ def _run_rank(argv: tuple[str, ...]) -> None:
         os._exit(code)
 
 
+def _preload(program: str) -> None:
+    """Import what ``program``'s ranks run, here, once: each forked rank inherits it."""
+    importlib.import_module(PROGRAMS[program])
+    if program == "dlab.worker":
+        # a worker builds an optimizer, whose first construction imports torch._dynamo: 2.2 s
+        # of CPU on the 2-core machine, as long as torch's own import
+        importlib.import_module("torch._dynamo")
+
+
 def main() -> None:
     args = parse_args(sys.argv[1:])
-    if not args.module or args.training_script != PROGRAM:
-        raise SystemExit(f"dlab.procs.agent forks {PROGRAM} only: run it as "
-                         f"'-m {PROGRAM} ...' (got {args.training_script!r})")
+    if not args.module or args.training_script not in PROGRAMS:
+        raise SystemExit(f"dlab.procs.agent forks {' or '.join(PROGRAMS)} only: run it as "
+                         f"'-m PROGRAM ...' (got {args.training_script!r})")
+    _preload(args.training_script)
     config, _, _ = config_from_args(args)
     config.start_method = "fork"
-    elastic_launch(config=config, entrypoint=rank_main)(*args.training_script_args)
+    elastic_launch(config=config, entrypoint=rank_main)(args.training_script,
+                                                         *args.training_script_args)
 
 
 if __name__ == "__main__":
