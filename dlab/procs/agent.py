@@ -26,8 +26,9 @@ command does (``_run_rank``). Its command line (``ps``) is the
 agent's, which names the run directory as a rank's did. A rank's launcher, to which the
 ``preempt`` fault sends its notice, is the agent (``DLAB_AGENT_PID``), not its keeper.
 
-Only on CPUs: a process that has touched CUDA cannot be forked into ranks that use it, and the
-agent imports torch; under NCCL the ranks start as torchrun's commands (``launch.TORCHRUN``).
+Only for ranks on the CPU, on Linux (``launch.forks``): a process that has touched CUDA cannot be
+forked into ranks that use it; elsewhere the ranks start as torchrun's commands
+(``launch.TORCHRUN``).
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def launch(strategy: str, world_size: int = 2, *, wait: bool = False, progress: 
         cfg.save(run_dir / "config.json")
         run = start_torchrun(run_dir, cfg.world_size, ["--config", str(run_dir.path / "config.json")],
                              threads=cfg.threads_per_rank, max_restarts=cfg.max_restarts,
-                             forked=cfg.resolved_device() == "cpu")
+                             forked=forks(cuda=cfg.resolved_device() == "cuda"))
     if dashboard:
         from dlab.ui.dashboard import watch  # ipywidgets, a lab extra: loaded for a dashboard only
 
@@ -116,6 +116,14 @@ TORCHRUN = [sys.executable, "-c", "import os, sys\n"
 #: torchrun's agent forking its ranks from one import of torch and the worker (on CPUs: see
 #: ``dlab.procs.agent``)
 FORKING_AGENT = [sys.executable, "-m", "dlab.procs.agent"]
+
+
+def forks(cuda: bool) -> bool:
+    """Whether a run's ranks are forked from torchrun's agent (``dlab.procs.agent``): on Linux
+    for ranks on the CPU. A process that touched CUDA cannot be forked into ranks that use it,
+    and macOS forks no process that has loaded its system frameworks (Python starts its own
+    processes there by spawning for that reason); those ranks start as torchrun's commands."""
+    return sys.platform.startswith("linux") and not cuda
 
 
 def agent_log_dir(run_dir: RunDir) -> Path:

@@ -18,7 +18,7 @@ from dlab.core.config import FIELDS, ConfigError, RunConfig
 from dlab.core.disk import write_json
 from dlab.core.machine import gpu_count
 from dlab.core.rundir import RunDir
-from dlab.procs.launch import check_runs_dir, new_run_dir, start_torchrun
+from dlab.procs.launch import check_runs_dir, forks, new_run_dir, start_torchrun
 
 
 def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str | Path = "runs",
@@ -41,10 +41,9 @@ def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str
                                              "call": target.get("function", "<cell>")})
         with open(run_dir / "call.pkl", "wb") as f:
             pickle.dump({**target, "args": args, "kwargs": kwargs}, f)
-        # forked from the agent where the ranks run on Gloo (the rank's rule: NCCL only with a
-        # GPU per rank)
+        # the ranks run on CUDA with a GPU each (dlab.runtime.call's rule), else on the CPU
         run = start_torchrun(run_dir, world_size, ["--timeout", str(timeout_s)],
-                             program="dlab.runtime.call", forked=gpu_count() < world_size)
+                             program="dlab.runtime.call", forked=forks(cuda=gpu_count() >= world_size))
     run.wait(timeout=timeout)
     return results(run_dir)
 
