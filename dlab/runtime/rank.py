@@ -56,9 +56,10 @@ def default_run_dir() -> Path:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank when its parent (torchrun's agent) dies, so a killed
-    agent can never leave ranks behind. Ranks run in their own sessions under torchrun, so a
-    signal to the agent's process group would not reach them."""
+    """Ask Linux to SIGKILL this rank when its parent (torchrun's agent, or the keeper of a rank
+    the agent forked: ``dlab.procs.agent``) dies, so a killed agent can never leave ranks
+    behind. Ranks run in their own sessions under torchrun, so a signal to the agent's process
+    group would not reach them."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
