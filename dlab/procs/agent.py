@@ -120,8 +120,8 @@ def _run_rank(program: str, argv: tuple[str, ...]) -> None:
                 thread.join()
         code = 0
     except SystemExit as e:  # argparse's refusal, as the command would have exited
-        code = e.code if isinstance(e.code, int) else 1
-        if not isinstance(e.code, int) and e.code is not None:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if code == 1 and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - before its report exists: as the interpreter would
         traceback.print_exc()
