@@ -19,7 +19,7 @@ included) plus 12 L h s, torchtitan's count in 2024.
 
 Blind first. A source is scored the moment it is added, with the planner as it stands, before
 any constant or modelling choice is made with it in view, and that score is recorded once with
-the commit it was scored at (``blind.json`` beside ``rows.py``; ``record_blind`` refuses to
+the commit it was scored at (``blind.json`` beside ``rows/``; ``record_blind`` refuses to
 write a source twice). ``blind_table`` prints each source's blind score beside its current
 one: the blind one is the honest figure for a source the planner was then changed with. The
 six sources the planner was built on have no blind score; their first recorded one is marked

@@ -1,0 +1,173 @@
+"""Rows of PyTorch FSDP runs: torchtitan's FSDP2 (A100s and H100s), MosaicML's llm-foundry
+(FSDP1 on H100s and A100s) and IBM's fms-fsdp (FSDP1, eager and compiled)."""
+from __future__ import annotations
+
+from dlab.theory.plan.layout import PlanLayout
+from dlab.theory.plan.rows.record import Published, Source
+from dlab.theory.plan.spec import PRESETS, Transformer
+
+TITAN = Source("torchtitan", "pytorch/torchtitan: docs/performance.md at 157a12c (2024-04-24), "
+               "64 A100s; benchmarks/llama3_h100_202412_torchtitan.md (runs of 2024-12, "
+               "committed 2025-06-13), tables 1 and 3", "torchtitan 2024")
+FOUNDRY = Source("llm-foundry", "mosaicml/llm-foundry: scripts/train/benchmarking/README.md at "
+                 "5e85bd6 (2024-01-06), 'H100 80GB BF16 (Large Scale, >= 128 GPUs)'",
+                 "llm-foundry 2024")
+
+
+FOUNDRY_A100 = Source("llm-foundry-a100", "mosaicml/llm-foundry: scripts/train/benchmarking/"
+                      "README.md at 5e85bd6 (2024-01-06), 'A100 80GB with 1600 Gbps node-node "
+                      "interconnect (RoCE)' and 'A100 40GB with 1600 Gbps node-node interconnect "
+                      "(RoCE)': their rows over more than one node (16 to 128 GPUs)",
+                      "llm-foundry A100 2024")
+FMS = Source("fms-fsdp", "foundation-model-stack/fms-fsdp: README.md, 'Training throughput "
+             "benchmarks', at 4ffb9bd (2024-03-21, eager) and at ed74fd5 (2024-05-09, 'updated with "
+             "torch.compile'): Llama 2 shapes on 128 A100 80GB (400 Gb/s a node) and 96 H100 "
+             "(800 Gb/s a node), PyTorch FSDP1 without model parallelism, its MFU and HFU table "
+             "beside", "IBM fms-fsdp 2024")
+
+
+def _titan(model, gpus, batch, seq, recompute, tps, cluster, stack, every=1, note="") -> Published:
+    """torchtitan's FSDP2 (zero=3 over every GPU, gradients reduced in fp32: its
+    mixed_precision_reduce default), one micro-batch of the local batch."""
+    lay = PlanLayout(dp=gpus, zero=3, micro_batch=batch, recompute=recompute, recompute_every=every,
+                     precision="bf16-fp32-grads")
+    return Published(TITAN, PRESETS[model], cluster, lay, gpus * batch, seq, "tokens_per_s_per_gpu",
+                     tps, stack, assumed=note or "SDPA's flash backend, the selective op policy")
+
+
+#: MPT shapes (layers, width, heads) of llm-foundry's yamls (scripts/train/yamls/pretrain)
+MPT = {"350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20),
+       "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
+
+
+def _mpt_spec(size) -> Transformer:
+    """An MPT of llm-foundry's yamls: GeLU, f = 4h, tied embedding, vocabulary 50368."""
+    layers, hidden, heads = MPT[size]
+    return Transformer(f"MPT {size}", layers, hidden, heads, 4 * hidden, 50368, tied=True)
+
+
+def _mpt(size, gpus, micro, tps, sharding, ac) -> Published:
+    """An MPT of llm-foundry's table: GeLU, f = 4h, tied embedding, vocabulary 50368, sequence
+    2048, FlashAttention (triton), FSDP in the table's "amp_bf16" with Composer's "DEFAULT" mixed
+    precision: bf16 weights, gradients reduced in fp32 (Composer v0.17.2, the version the
+    README's commit pins: composer/trainer/mosaic_fsdp_utils.py, ``reduce_dtype = float32``)."""
+    lay = PlanLayout(dp=gpus, zero=3 if sharding == "FULL_SHARD" else 2, micro_batch=micro,
+                     recompute="full" if ac else "none", precision="bf16-fp32-grads")
+    return Published(FOUNDRY, _mpt_spec(size), "h100-sxm", lay, gpus * micro, 2048,
+                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
+                     assumed="DGX H100 nodes (the platform's network is not stated)")
+
+
+def _mpt_a100(size, memory, gpus, micro, accum, tps, ac) -> Published:
+    """A multi-node row of llm-foundry's A100 tables: an MPT (as ``_mpt``) under FSDP1's
+    FULL_SHARD in "bf16" with Composer's "PURE" mixed precision (bf16 weights, gradients and
+    reductions), ``accum`` micro-batches of ``micro`` sequences a step."""
+    lay = PlanLayout(dp=gpus, zero=3, micro_batch=micro, recompute="full" if ac else "none",
+                     precision="bf16")
+    return Published(FOUNDRY_A100, _mpt_spec(size), f"a100-{memory}gb", lay, gpus * micro * accum, 2048,
+                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
+                     assumed="its nodes as DGX A100s (8 GPUs, NVSwitch; 1600 Gb/s a node as 8 x 200)")
+
+
+def _fms(size, sharding, every, a100_tps, h100_tps, compiled, note) -> list[Published]:
+    """A row of IBM's fms-fsdp table on both of its machines: PyTorch FSDP1 over every GPU
+    ("FSDP": FULL_SHARD) or sharded inside a node and replicated across ("HSDP": HYBRID_SHARD,
+    ``zero_group`` 8), each block its own FSDP unit with ``limit_all_gathers``, bf16 weights and
+    reductions (its bfSixteen policy), 2 sequences of 4096 a GPU, one micro-batch a step, SDPA's
+    flash backend; ``every``: one block in every this many recomputed (0: none). Eager PyTorch
+    in its March 2024 table, torch.compile over the model in its May 2024 one."""
+    out = []
+    for cluster, gpus, tps in (("a100-80gb-400g", 128, a100_tps), ("h100-sxm-800g", 96, h100_tps)):
+        lay = PlanLayout(dp=gpus, zero=3, zero_group=8 if sharding == "HSDP" else 0, micro_batch=2,
+                         recompute="full" if every else "none", recompute_every=every or 1,
+                         precision="bf16")
+        other = tuple({"recompute_every": k} for k in (1, 2, 3) if every and k != every)
+        out.append(Published(FMS, PRESETS[f"llama2-{size}"], cluster, lay, 2 * gpus, 4096,
+                             "tokens_per_s_per_gpu", tps,
+                             "pytorch-fsdp1-compile" if compiled else "pytorch-fsdp1",
+                             assumed=note + "; H100 SXM (its 'H100 80G')", alternatives=other))
+    return out
+
+
+
+TITAN_ROWS = [
+    _titan("llama3-8b", 64, 1, 8192, "full", 2904, "a100-80gb", "torchtitan-fsdp2", every=2,
+           note="selective layer AC as every second layer recomputed (its default then); DGX A100 nodes"),
+    _titan("llama3-8b", 64, 1, 8192, "selective", 2973, "a100-80gb", "torchtitan-fsdp2",
+           note="its selective op policy; DGX A100 nodes"),
+    _titan("llama3-70b", 64, 1, 8192, "full", 331, "a100-80gb", "torchtitan-fsdp2",
+           note="DGX A100 nodes"),
+    _titan("llama2-13b", 64, 2, 4096, "none", 2162, "a100-80gb", "torchtitan-fsdp2",
+           note="DGX A100 nodes"),
+    _titan("llama2-13b", 64, 2, 4096, "full", 1914, "a100-80gb", "torchtitan-fsdp2", every=2,
+           note="selective layer AC as every second layer recomputed (its default then); DGX A100 nodes"),
+    _titan("llama2-13b", 64, 2, 4096, "selective", 1904, "a100-80gb", "torchtitan-fsdp2",
+           note="its selective op policy; DGX A100 nodes"),
+    _titan("llama2-70b", 64, 1, 4096, "selective", 355, "a100-80gb", "torchtitan-fsdp2",
+           note="its selective op policy; DGX A100 nodes"),
+    _titan("llama2-70b", 64, 2, 4096, "full", 353, "a100-80gb", "torchtitan-fsdp2",
+           note="DGX A100 nodes"),
+    _titan("llama3-8b", 8, 2, 8192, "selective", 5762, "h100-grand-teton", "torchtitan-fsdp2",
+           note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
+    _titan("llama3-8b", 8, 2, 8192, "selective", 6667, "h100-grand-teton", "torchtitan-fsdp2-compile",
+           note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
+    _titan("llama3-8b", 128, 2, 8192, "selective", 5605, "h100-grand-teton", "torchtitan-fsdp2",
+           note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
+    _titan("llama3-8b", 128, 2, 8192, "selective", 6514, "h100-grand-teton", "torchtitan-fsdp2-compile",
+           note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
+]
+
+FOUNDRY_ROWS = [
+    _mpt("70b", 512, 8, 1007, "FULL_SHARD", True),
+    _mpt("70b", 256, 8, 1035, "FULL_SHARD", True),
+    _mpt("70b", 128, 8, 1058, "FULL_SHARD", True),
+    _mpt("30b", 512, 8, 2115, "FULL_SHARD", True),
+    _mpt("30b", 256, 8, 2148, "FULL_SHARD", True),
+    _mpt("30b", 128, 8, 2199, "FULL_SHARD", True),
+    _mpt("13b", 512, 16, 4952, "FULL_SHARD", True),
+    _mpt("13b", 256, 16, 4989, "FULL_SHARD", True),
+    _mpt("13b", 128, 16, 5080, "FULL_SHARD", True),
+    _mpt("7b", 512, 6, 9670, "FULL_SHARD", False),
+    _mpt("7b", 256, 6, 10119, "FULL_SHARD", False),
+    _mpt("7b", 128, 6, 10475, "FULL_SHARD", False),
+    _mpt("3b", 512, 8, 21664, "SHARD_GRAD_OP", False),
+    _mpt("3b", 256, 8, 22772, "SHARD_GRAD_OP", False),
+    _mpt("3b", 128, 8, 23422, "SHARD_GRAD_OP", False),
+    _mpt("1b", 512, 12, 39837, "SHARD_GRAD_OP", False),
+    _mpt("1b", 256, 12, 42555, "SHARD_GRAD_OP", False),
+    _mpt("1b", 128, 12, 44123, "SHARD_GRAD_OP", False),
+]
+
+FOUNDRY_A100_ROWS = [
+    _mpt_a100("70b", 80, 64, 8, 4, 410, True),
+    _mpt_a100("70b", 80, 32, 2, 16, 373, True),
+    *(_mpt_a100(size, 40, gpus, micro, 1, tps, ac) for size, gpus, micro, tps, ac in (
+        ("70b", 128, 4, 376, True), ("70b", 64, 2, 276, True), ("30b", 128, 6, 865, True),
+        ("30b", 32, 4, 857, True), ("13b", 128, 16, 1972, True), ("13b", 64, 16, 1976, True),
+        ("13b", 32, 14, 1998, True), ("13b", 16, 10, 1993, True), ("7b", 128, 18, 3623, True),
+        ("7b", 64, 18, 3665, True), ("7b", 32, 18, 3725, True), ("7b", 16, 16, 3645, True),
+        ("3b", 128, 6, 9538, False), ("3b", 64, 6, 9736, False), ("3b", 32, 6, 9914, False),
+        ("3b", 16, 5, 9750, False), ("1b", 128, 10, 18647, False), ("1b", 64, 10, 19001, False),
+        ("1b", 32, 10, 15555, False), ("1b", 16, 8, 19085, False), ("760m", 128, 12, 28940, False),
+        ("760m", 64, 12, 29344, False), ("760m", 32, 12, 29648, False),
+        ("760m", 16, 12, 29607, False), ("350m", 128, 18, 51934, False),
+        ("350m", 64, 18, 52689, False), ("350m", 32, 18, 53811, False),
+        ("350m", 16, 18, 55413, False))),
+]
+
+FMS_ROWS = [
+    *_fms("7b", "HSDP", 0, 3700, 7500, False, "no recomputation (its table)"),
+    *_fms("13b", "FSDP", 2, 1800, 3800, False, "'Selective AC', every second block recomputed: "
+          "its selective_checkpointing k recomputes one block in k, and its HFU over MFU on the "
+          "A100s, 0.59 / 0.51 = 1.16, is recomputing half the blocks' forward (1 + 1/2 x 1/3)"),
+    *_fms("34b", "FSDP", 1, 700, 1550, False, "full recomputation (its table)"),
+    *_fms("70b", "FSDP", 1, 370, 800, False, "full recomputation (its table)"),
+    *_fms("7b", "HSDP", 0, 4550, 9600, True, "no recomputation (its table)"),
+    *_fms("13b", "FSDP", 2, 2150, 4850, True, "'Selective AC' of an unstated share p of the "
+          "blocks: its HFU over MFU on the A100s, 0.69 / 0.61 = 1.13, lies between a half (1.17) "
+          "and a third (1.11); a half assumed"),
+    *_fms("34b", "FSDP", 1, 820, 1830, True, "'Selective AC' of an unstated share: its HFU over "
+          "MFU on the A100s, 0.74 / 0.55 = 1.35, is full recomputation's 4/3: every block"),
+    *_fms("70b", "FSDP", 1, 410, 890, True, "'Selective AC' of an unstated share: its HFU over "
+          "MFU on the A100s, 0.74 / 0.55 = 1.35, is full recomputation's 4/3: every block"),
+]
