@@ -11,6 +11,7 @@ from helpers import TINY_GPT
 
 import dlab
 from dlab.core.rundir import read_json_object
+from dlab.procs.agent import PASSED_ON
 
 
 def test_a_cpu_runs_ranks_are_forked_under_keepers_and_named_by_the_agents_command_line(runs_dir):
@@ -28,6 +29,9 @@ def test_a_cpu_runs_ranks_are_forked_under_keepers_and_named_by_the_agents_comma
         assert rank.cmdline() == keeper.cmdline() == agent.cmdline()
         # a session of its own, as torchrun starts a rank it runs as a command
         assert os.getsid(rank.pid) == keeper.pid != os.getsid(agent.pid)
+        # the signals a keeper passes on, blocked across its fork of the rank, reach both again
+        for proc in (keeper, rank):
+            assert not _blocked(proc.pid) & set(PASSED_ON), (r, proc.pid)
     run.stop()
     # the keepers record the SIGTERM they passed on; a run stopped from outside still reads
     # stopped, not failed
@@ -42,3 +46,10 @@ def test_a_killed_ranks_keeper_records_its_signal(runs_dir):
     assert failed.value.rank == 1 and failed.value.exit_code == -9
     killed = read_json_object(run.dir.exit_file(1))
     assert killed["exit_code"] == -9 and killed["torn_down"] is False
+
+
+def _blocked(pid: int) -> set[int]:
+    """The signals ``pid`` blocks (its /proc status's SigBlk mask: bit n - 1 for signal n)."""
+    status = open(f"/proc/{pid}/status").read()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}

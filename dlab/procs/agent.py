@@ -66,6 +66,9 @@ def rank_main(program: str, *argv: str) -> None:
     os.setsid()
     die_with_parent()
     os.environ["DLAB_AGENT_PID"] = str(agent)
+    # a signal in the instant between the fork and the handlers going in waits (pending) until
+    # each process has its own: the keeper's passes it on, the rank's are the defaults
+    signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
     rank = os.fork()
     if rank == 0:
         _run_rank(program, argv)
@@ -78,6 +81,7 @@ def rank_main(program: str, *argv: str) -> None:
 
     for sig in PASSED_ON:
         signal.signal(sig, pass_on)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
     _, status = os.waitpid(rank, 0)
     code = os.waitstatus_to_exitcode(status)
     if code == 0:
@@ -111,6 +115,7 @@ def _run_rank(program: str, argv: tuple[str, ...]) -> None:
     for sig in PASSED_ON:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
     sys.argv = [program, *argv]
     code = 1
     try:
