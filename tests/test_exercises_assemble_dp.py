@@ -17,7 +17,7 @@ import threading
 
 import pytest
 import torch
-from test_exercises import SOLUTIONS, with_pieces
+from test_exercises import MISTAKES, SOLUTIONS, with_pieces
 
 from dlab.exercises import EXERCISES, check
 
@@ -144,6 +144,12 @@ class _Dist:
     def all_reduce(self, t, op=None, async_op=False):
         t.copy_(sum(self._everyone(t)))
 
+    def all_gather_object(self, out, obj):
+        self.slots[self.rank] = obj
+        self.barrier.wait()
+        out[:] = list(self.slots)
+        self.barrier.wait()
+
 
 def on_threads(answer: str, world: int = 2) -> str | None:
     """What the judge says of ``answer`` (source text) run on ``world`` threads."""
@@ -185,6 +191,15 @@ def test_each_mistake_is_named_with_what_to_change(name):
     wrong, says = WRONG[name]
     said = on_threads(with_pieces("train_zero1", wrong))
     assert said is not None and says in said, said
+
+
+def test_a_wrong_zero1_step_is_named_before_the_loop_is_judged():
+    """The loop's report would blame the loop for its step's mistake (an all-reduce reads as
+    "not ZeRO-1", a wrong update as a loss off at step 1): zero1_step passes its own check first,
+    and the answer's collectives are then the loop's alone."""
+    wrong, says = MISTAKES["zero1_step"]
+    said = on_threads(f"{wrong}\n\n{(SOLUTIONS / 'train_zero1.py').read_text()}")
+    assert said and said.startswith("your zero1_step does not pass its own check yet") and says in said, said
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ import time
 import weakref
 
 import torch
+import torch.distributed as dist
 
+from dlab.exercises.assembly import own_check, run_piece
 from dlab.exercises.registry import exercise, first_difference
 from dlab.exercises.watch import flat, log_collectives, outermost, per_rank, values
 
@@ -111,6 +113,12 @@ def _train_single(scale: float = 1.0, accumulate: bool = False, update: bool = T
 
 
 def run_train_zero1(fn, rank, world):
+    scope = getattr(fn, "__globals__", {})
+    piece_calls = 0
+    if callable(scope.get("zero1_step")):
+        wrong, piece_calls = _own_zero1_step(scope["zero1_step"], scope.get("dist", dist), rank, world)
+        if wrong:
+            return {"pieces": wrong}  # trained with a wrong step, the loop's report would mislead
     model = _train_model()
     inputs = []  # what each forward took: the rows a rank trained on
     model.register_forward_pre_hook(lambda _, args: inputs.append(args[0].detach().clone()))
@@ -122,7 +130,26 @@ def run_train_zero1(fn, rank, world):
         raise NameError(f"{e}: pass your zero1_step to check after train_zero1, "
                         f"check('train_zero1', train_zero1, zero1_step)") from None
     return {"losses": None if losses is None else [float(v) for v in losses], "inputs": inputs,
-            "params": [p.detach().clone() for p in model.parameters()]}
+            "params": [p.detach().clone() for p in model.parameters()], "piece_calls": piece_calls}
+
+
+def _own_zero1_step(step, comm, rank, world) -> tuple[str | None, int]:
+    """The learner's zero1_step through its own check on this rank, its collectives logged apart
+    (``comm``: the ``dist`` it calls), judged on every rank's answer so that all ranks go on or
+    stop alike; and how many collectives it called (the loop's log holds them too)."""
+    log: dict = {}
+    wrappers = log_collectives(log)
+    taken = {op: getattr(comm, op) for op in wrappers if hasattr(comm, op)}
+    for op, original in taken.items():
+        setattr(comm, op, wrappers[op](original))
+    try:
+        own = run_piece("zero1_step", run_zero1_step, step, rank, world)
+    finally:
+        for op, original in taken.items():
+            setattr(comm, op, original)
+    every: list = [None] * world
+    comm.all_gather_object(every, (own, log))
+    return own_check("zero1_step", judge_zero1_step(every)), len(log["calls"])
 
 
 def _rows_of(x_in, x) -> list[int] | None:
@@ -170,6 +197,9 @@ def _mistaken(n: int):
                "back into the model; return this rank's losses, one a step",
           run=run_train_zero1, watch=log_collectives, pieces=("zero1_step",))
 def judge_train_zero1(answers):
+    wrong = next((got["pieces"] for got, _ in answers if "pieces" in got), None)
+    if wrong:
+        return wrong
     n = len(answers)
     batches = _train_batches()
     names = [name for name, _ in _train_model().named_parameters()]
@@ -204,9 +234,11 @@ def judge_train_zero1(answers):
                             f"cover the batch once")
             taken[r] = rows
     # 2. ZeRO-1: one reduce-scatter of the whole flat gradient and one all-gather a step
-    for r, (_, log) in enumerate(answers):
-        # a one-element all-reduce is the loss averaged for the log: harmless
-        calls = [c for c in log["calls"] if not (c["kind"] == "all_reduce" and c["in_numel"] == 1)]
+    for r, (got, log) in enumerate(answers):
+        # a one-element all-reduce is the loss averaged for the log: harmless; the calls before
+        # the loop's are zero1_step's own check
+        calls = [c for c in log["calls"][got["piece_calls"]:]
+                 if not (c["kind"] == "all_reduce" and c["in_numel"] == 1)]
         kinds = [c["kind"] for c in calls]
         if "all_reduce" in kinds:
             return (f"rank {r} all-reduced the gradient: every rank then holds the whole mean "
