@@ -75,7 +75,8 @@ TP_WRONG = {  # id: (edits or a whole source, what the report must say), default
         "rank 1, step 0's loss: expected 1.96503"),
     "pieces-not-passed": (
         (SOLUTIONS / f"{TP}.py").read_text(),
-        "column_parallel_linear, row_parallel_linear not found: pass your own with the function"),
+        "train_tp_mlp calls column_parallel_linear, which was not sent with it: pass it to check "
+        "after train_tp_mlp"),
 }
 # in the default run: a collective count and a piece; the others (slow) take the same path,
 # the spawn and the judge, to a message of their own
