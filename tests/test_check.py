@@ -41,6 +41,19 @@ def test_failures_are_told_apart_from_what_gloo_cannot_do_on_cuda():
     assert check.failure(gloo_cuda, RuntimeError("loss is nan"))["result"] == "FAIL"
 
 
+def test_a_case_its_layout_cannot_run_is_a_skipped_row_not_a_stopped_check(monkeypatch, tmp_path):
+    """On one GPU the plan sets every strategy at one rank; nd's check layout needs pp = 2. That
+    case is refused as launch would refuse it, as a row, before any process starts (an H200's
+    session stopped the whole check there, 2026-11-29)."""
+    def no_launch(*a, **k):
+        raise AssertionError("a case that cannot run was launched")
+
+    monkeypatch.setattr(check, "launch", no_launch)
+    case = check.Case("nd", 1, "gloo", "cpu", check.parallel.get("nd").check_options())
+    row = check.check_case(case, {}, str(tmp_path / "runs"))
+    assert row["result"] == "skipped" and "does not divide world_size=1" in row["why"], row
+
+
 def test_unknown_strategies_are_refused_before_any_run(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dlab", "check", "--strategies", "ddp,zeroo",
                            "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True,

@@ -23,6 +23,26 @@ def test_spawn_returns_every_rank_result(runs_dir):
     assert dlab.spawn(rank_and_sum, 3, 10, runs_dir=runs_dir) == [(0, 60.0), (1, 60.0), (2, 60.0)]
 
 
+def test_spawn_forks_its_ranks_only_on_a_machine_without_cuda(monkeypatch, runs_dir):
+    """A function may put tensors on the one GPU under Gloo (two ranks on one GPU), and a rank
+    forked from the agent cannot initialise CUDA (an H200's session, torch 2.11): on a machine
+    with any GPU, spawn's ranks start as torchrun's commands."""
+    from dlab.procs import spawn as spawn_module
+
+    asked = []
+
+    def start(*args, forked, **kwargs):
+        asked.append(forked)
+        raise RuntimeError("started")
+
+    monkeypatch.setattr(spawn_module, "start_torchrun", start)
+    for gpus in (0, 1):
+        monkeypatch.setattr(spawn_module, "gpu_count", lambda gpus=gpus: gpus)
+        with pytest.raises(RuntimeError, match="started"):
+            dlab.spawn(rank_and_sum, 2, 1, runs_dir=runs_dir)
+    assert asked == [True, False]
+
+
 def test_spawn_code_names_the_raising_rank(runs_dir):
     code = "if rank == 1:\n    raise ValueError('bad shard')\nresult = rank"
     with pytest.raises(dlab.RunFailed, match="rank 1 of 2 failed: ValueError: bad shard") as info:

@@ -41,9 +41,12 @@ def spawn(fn, world_size: int = 2, *args, timeout_s: float = 60.0, runs_dir: str
                                              "call": target.get("function", "<cell>")})
         with open(run_dir / "call.pkl", "wb") as f:
             pickle.dump({**target, "args": args, "kwargs": kwargs}, f)
-        # the ranks run on CUDA with a GPU each (dlab.runtime.call's rule), else on the CPU
+        # the ranks' backend is NCCL with a GPU each (dlab.runtime.call's rule), else Gloo; but
+        # fn may put tensors on a GPU under Gloo too (two ranks on one GPU), and a rank forked
+        # from the agent cannot: "Cannot re-initialize CUDA in forked subprocess" (an H200,
+        # torch 2.11). So ranks are forked only on a machine without CUDA.
         run = start_torchrun(run_dir, world_size, ["--timeout", str(timeout_s)],
-                             program="dlab.runtime.call", forked=forks(cuda=gpu_count() >= world_size))
+                             program="dlab.runtime.call", forked=forks(cuda=gpu_count() > 0))
     run.wait(timeout=timeout)
     return results(run_dir)
 

@@ -41,6 +41,7 @@ from dlab.core.output import check_output_path, write_output
 from dlab.procs.launch import launch
 from dlab.procs.spawn import spawn
 from dlab.theory.comm import bus_bandwidth as busbw
+from dlab.worker import validate
 
 GPT = {"n_layer": 4, "d_model": 32, "n_head": 4, "seq_len": 32}
 MOE = {**GPT, "n_expert": 4, "top_k": 2}
@@ -134,7 +135,10 @@ def _losses(run) -> list[float]:
 def check_case(case: Case, references: dict, runs_dir: str) -> dict:
     row = {"strategy": case.strategy, "ranks": case.world_size, "backend": case.backend,
            "device": case.device}
-    problems = RunConfig(strategy=case.strategy, world_size=case.world_size, **case.config()).problems()
+    # every check launch makes (a layout that needs more ranks than one GPU gives is refused
+    # here, as a row, not by launch's ConfigError in the middle of the table)
+    problems = validate.problems(RunConfig(strategy=case.strategy, world_size=case.world_size,
+                                           **case.config()))
     if problems:
         return {**row, "result": "skipped", "why": problems[0]}
     key = (case.device, json.dumps(case.config()["model_options"], sort_keys=True))
