@@ -21,7 +21,7 @@ from dlab.cli.main import main as cli
 from dlab.models.gpt import GPTConfig
 from dlab.theory.plan import cluster as clusters
 from dlab.tools import check
-from dlab.tools.gpu import attention, gpt_step, lessons, schema, session, trace_summary
+from dlab.tools.gpu import attention, calibration, gpt_step, lessons, schema, session, trace_summary
 
 
 def _stub_check(quick, runs_dir, strategies):
@@ -153,6 +153,21 @@ def _valid_folder(tmp_path: Path) -> Path:
         "steps": [{"name": "env", "status": "ok", "seconds": 0.1, "budget_s": 60.0,
                    "files": ["env.json"], "summary": "", "why": None}]}))
     return folder
+
+
+def test_a_one_gpu_profile_takes_its_presets_links_and_drops_the_placeholders_warning(tmp_path):
+    """One GPU measures no link: the profile borrows its generation's preset links and says so
+    in ``measured``; the calibration's warning that the links are a 1 GB/s placeholder no longer
+    holds and goes (the first H200 profile kept it beside the preset's links), other flags stay."""
+    other = "all_gather: its times do not grow with its bytes"
+    doc = {"generation": "H100", "measured": {}, "gpus_per_node": 1,
+           "links": {"intra": {"latency": 1e-5, "busbw": 1e9}, "inter": {"latency": 1e-5, "busbw": 1e9}},
+           "flags": ["no collective measured (--ranks 1): the links are a placeholder of 1 GB/s", other]}
+    got = calibration.borrow_links(doc, tmp_path / "profile.json")
+    preset = clusters.PRESETS["h100-sxm"]
+    assert got["links"]["intra"]["busbw"] == preset.intra.bandwidth and got["gpus_per_node"] == 8
+    assert "h100-sxm preset's" in got["measured"]["links"] and got["flags"] == [other]
+    assert json.loads((tmp_path / "profile.json").read_text())["flags"] == [other]
 
 
 @pytest.mark.parametrize("change, says", [

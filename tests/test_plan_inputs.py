@@ -148,6 +148,23 @@ def test_a_link_fit_recovers_a_link_and_flags_times_that_do_not_grow_with_the_by
                                                                        busbw, 2e10)
 
 
+def test_a_gpu_calibration_times_work_that_fills_the_device_without_the_hosts_round_trip():
+    """The first H200 session measured attention at one sequence of 4 heads of 64 (a few dozen
+    tiles for 132 multiprocessors) and every kernel between two synchronisations (the host's
+    20 us round trip in each rate, then the planner's launch on top): 3x below the same GPU's
+    attention step. On a GPU the attention now has tiles for many waves at every length, and
+    a short kernel is timed queued behind others, as a step runs it; the CPU grid is as it was."""
+    sms, tile = 132, 128  # an H100's or H200's multiprocessors; FlashAttention's query tile
+    for seq in device_profile.FULL["seqs"]:
+        batch, heads, width = device_profile.attention_shape(seq, device_profile.FULL)
+        assert batch * heads * math.ceil(seq / tile) >= 4 * sms and width == 128, seq
+    assert device_profile.attention_shape(512, device_profile.CPU_GRID) == (1, 4, 64)
+    assert device_profile.attention_shape(128, device_profile.QUICK) == (1, 4, 64)
+    assert device_profile.calls_per_sample(20e-6, cuda=True) >= 50  # a launch-sized call
+    assert device_profile.calls_per_sample(5e-3, cuda=True) == 1  # a long one is its own sample
+    assert device_profile.calls_per_sample(20e-6, cuda=False) == 1
+
+
 def test_calibration_leaves_out_and_flags_a_collective_whose_fit_is_not_physical(monkeypatch, tmp_path):
     """The ranks' timings stand in for a run: all_reduce's shrink with the bytes (as measured on
     a busy machine, where ``--quick`` once wrote 1e6 GB/s), the others grow as a link's. The

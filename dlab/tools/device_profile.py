@@ -6,13 +6,16 @@ runs), and written as a profile (``dlab.theory.plan.cluster.dump``) that ``--clu
 ``clusters.load`` read:
 
 - matmul: FLOP/s over a grid of shapes (m, n, k), the median of a few timed repeats after a
-  warm-up; the best of them over the peak is the profile's ``matmul`` share, and the table
-  replaces the quantization curve;
+  warm-up (on a GPU each repeat several calls queued back to back: ``calls_per_sample``); the
+  best of them over the peak is the profile's ``matmul`` share, and the table replaces the
+  quantization curve;
 - attention: the fused causal attention (``scaled_dot_product_attention``) over sequence
   lengths, forward and backward, at its executed FLOPs (the causal half; backward 2.5 times
-  forward, as ``dlab.theory.plan.ops`` counts them);
+  forward, as ``dlab.theory.plan.ops`` counts them), on a GPU at a model's heads and enough
+  tokens to fill it (``attention_shape``);
 - memory bandwidth: a large copy's bytes read and written per second; the launch cost: a
-  one-element op's seconds;
+  one-element op's seconds, queued back to back on a GPU (``calls_per_sample``: what a kernel
+  adds to a step however small, not the host's round trip to wait for it);
 - collectives, with ``ranks`` > 1: all-reduce, all-gather, reduce-scatter, all-to-all and a
   send/receive pair over message sizes on ``ranks`` fresh processes (Gloo on the CPU, NCCL on
   GPUs), the slowest rank's median; each op's latency per step and bus bandwidth fitted by
@@ -47,32 +50,58 @@ from dlab.theory.plan.kernels import Kernels
 
 QUICK = {"shapes": ((128, 128, 128), (256, 512, 256), (512, 512, 512), (256, 1024, 1024)),
          "seqs": (128, 512), "sizes": (1 << 12, 1 << 16, 1 << 20), "repeats": 3}
+#: heads, head size and tokens a call of the attention on a GPU (``attention_shape``)
+GPU_ATTENTION = (16, 128, 16384)
 FULL = {"shapes": tuple((m, n, k) for m in (256, 1024, 4096) for n in (512, 2048, 8192)
                         for k in (512, 2048, 8192)),
         "seqs": (512, 1024, 2048, 4096, 8192), "sizes": tuple(1 << p for p in range(12, 29, 2)),
-        "repeats": 10}
+        "repeats": 10, "attention": GPU_ATTENTION}
 CPU_GRID = {**FULL, "shapes": tuple((m, n, k) for m in (64, 256, 1024) for n in (256, 1024)
                                      for k in (256, 1024)), "seqs": (128, 256, 512, 1024),
-            "sizes": tuple(1 << p for p in range(12, 25, 3)), "repeats": 5}
+            "sizes": tuple(1 << p for p in range(12, 25, 3)), "repeats": 5, "attention": (4, 64, 0)}
 
 
 def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+#: on a GPU, a timed sample holds at least this much work: one kernel between two
+#: synchronisations is mostly the host's round trip when it is short
+SAMPLE_S = 1e-3
+MAX_CALLS = 200
+
+
+def calls_per_sample(one_call_s: float, cuda: bool) -> int:
+    """Back-to-back calls per timed sample. A GPU runs kernels queued one after another, as a
+    training step does, and the planner adds each kernel's launch cost itself
+    (``kernels.Kernels.launch``): a rate timed with a synchronisation around every call would
+    count the host's round trip (about 20 us on an H200, 2026-11-29) once in the rate and again
+    as the launch. On the CPU a call is its own work: one."""
+    if not cuda or one_call_s <= 0:
+        return 1
+    return max(1, min(MAX_CALLS, math.ceil(SAMPLE_S / one_call_s)))
+
+
 def _seconds(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` after one warm-up, synchronising a GPU around each."""
+    """Median seconds of one ``fn()`` after a warm-up; on a GPU each sample is
+    ``calls_per_sample`` calls between two synchronisations, divided by their number."""
     cuda = torch.cuda.is_available()
     fn()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    calls = calls_per_sample(time.perf_counter() - start, cuda)
     times = []
     for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -91,14 +120,27 @@ def matmuls(shapes, repeats: int) -> tuple:
     return tuple(out)
 
 
-def attention(seqs, repeats: int, heads: int = 4, width: int = 64) -> tuple:
-    """(keys, forward FLOP/s, backward FLOP/s) of causal fused attention at each length."""
+def attention_shape(seq: int, grid: dict) -> tuple[int, int, int]:
+    """(batch, heads, head size) of the attention timed at ``seq`` keys: on a GPU, a model's
+    (16 heads of 128, FlashAttention-3's figures' head size) over ``tokens`` tokens a call, so
+    that the kernel's tiles (one per head and 128 queries) fill the device many times over, as
+    the planner's saturated rates assume; one sequence of 4 heads of 64 on one CPU thread.
+    The first H200 session timed one sequence of 4 heads of 64 there: at 8,192 keys 177 TFLOP/s
+    forward where the same GPU's attention step measured cuDNN's at 560 (2 x 16 heads of 128)."""
+    heads, width, tokens = grid.get("attention", (4, 64, 0))
+    return max(1, tokens // seq), heads, width
+
+
+def attention(seqs, repeats: int, grid: dict | None = None) -> tuple:
+    """(keys, forward FLOP/s, backward FLOP/s) of causal fused attention at each length, at
+    ``attention_shape``'s batch and heads."""
     dev = _device()
     out = []
     for s in seqs:
-        q, k, v = (torch.randn(1, heads, s, width, device=dev, dtype=_dtype(dev), requires_grad=True)
+        batch, heads, width = attention_shape(s, grid or {})
+        q, k, v = (torch.randn(batch, heads, s, width, device=dev, dtype=_dtype(dev), requires_grad=True)
                    for _ in range(3))
-        flops = 4.0 * heads * s * (s / 2) * width  # the causal half, as the planner counts it
+        flops = 4.0 * batch * heads * s * (s / 2) * width  # the causal half, as the planner counts it
 
         def forward(q=q, k=k, v=v):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -123,7 +165,7 @@ def bandwidth(repeats: int, nbytes: int = 1 << 28) -> float:
 
 
 def launch_cost(repeats: int = 50) -> float:
-    """Seconds of a one-element op: the fixed cost of a kernel."""
+    """Seconds of a one-element op, back to back on a GPU: the fixed cost of a kernel."""
     x = torch.zeros(1, device=_device())
     return _seconds(lambda: x.add_(1.0), repeats)
 
@@ -236,6 +278,7 @@ def collectives(ranks: int, sizes, repeats: int, ceiling: float,
 #: (latency per step, bus bandwidth) of the links where no collective was measured, as the
 #: profile's flags say
 PLACEHOLDER = (1e-5, 1e9)
+NO_LINK = "no collective measured"
 
 
 def measure(quick: bool = False, ranks: int = 2,
@@ -244,11 +287,13 @@ def measure(quick: bool = False, ranks: int = 2,
     where (for the profile's ``measured`` field), and what could not be (its ``flags``)."""
     dev = _device()
     grid = QUICK if quick else (FULL if dev.type == "cuda" else CPU_GRID)
+    if dev.type == "cuda":
+        grid = {**grid, "attention": GPU_ATTENTION}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a lab rank's one thread
     try:
         table = matmuls(grid["shapes"], grid["repeats"])
-        attn = attention(grid["seqs"], grid["repeats"])
+        attn = attention(grid["seqs"], grid["repeats"], grid)
         hbm = bandwidth(grid["repeats"])
         launch = launch_cost()
     finally:
@@ -261,7 +306,7 @@ def measure(quick: bool = False, ranks: int = 2,
     by_op = {op: (lat, bw) for op, _, lat, bw in ops}
     base = "all_reduce" if "all_reduce" in by_op else next(iter(by_op), None)
     if base is None:
-        flags.append(f"no collective measured{' (--ranks 1)' if ranks == 1 else ''}: the links are a "
+        flags.append(f"{NO_LINK}{' (--ranks 1)' if ranks == 1 else ''}: the links are a "
                      f"placeholder of {PLACEHOLDER[1] / 1e9:g} GB/s and {PLACEHOLDER[0] * 1e6:g} us a "
                      f"step, not this machine's; calibrate with --ranks 2 or more")
     elif base != "all_reduce":

@@ -36,6 +36,8 @@ def borrow_links(doc: dict, path: Path) -> dict:
     doc["gpus_per_node"] = preset.gpus_per_node
     doc["measured"]["links"] = (f"not measured (one GPU has no link): the {name} preset's, from "
                                 f"published nccl-tests figures")
+    # the placeholder's warning no longer holds: the links are the preset's, as measured says
+    doc["flags"] = [f for f in doc.get("flags", []) if not f.startswith(device_profile.NO_LINK)]
     child.write_json(path, doc)
     return doc
 
