@@ -20,7 +20,7 @@ import pytest
 from dlab.cli.main import main as cli
 from dlab.models.gpt import GPTConfig
 from dlab.theory.plan import cluster as clusters
-from dlab.tools import check
+from dlab.tools import check, device_profile
 from dlab.tools.gpu import attention, calibration, gpt_step, lessons, schema, session, trace_summary
 
 
@@ -160,7 +160,7 @@ def test_a_one_gpu_profile_takes_its_presets_links_and_drops_the_placeholders_wa
     in ``measured``; the calibration's warning that the links are a 1 GB/s placeholder no longer
     holds and goes (the first H200 profile kept it beside the preset's links), other flags stay."""
     other = "all_gather: its times do not grow with its bytes"
-    doc = {"generation": "H100", "measured": {}, "gpus_per_node": 1,
+    doc = {"generation": "H100", "measured": {"device": "NVIDIA H100 80GB HBM3"}, "gpus_per_node": 1,
            "links": {"intra": {"latency": 1e-5, "busbw": 1e9}, "inter": {"latency": 1e-5, "busbw": 1e9}},
            "flags": ["no collective measured (--ranks 1): the links are a placeholder of 1 GB/s", other]}
     got = calibration.borrow_links(doc, tmp_path / "profile.json")
@@ -168,6 +168,17 @@ def test_a_one_gpu_profile_takes_its_presets_links_and_drops_the_placeholders_wa
     assert got["links"]["intra"]["busbw"] == preset.intra.bandwidth and got["gpus_per_node"] == 8
     assert "h100-sxm preset's" in got["measured"]["links"] and got["flags"] == [other]
     assert json.loads((tmp_path / "profile.json").read_text())["flags"] == [other]
+
+
+def test_a_profile_is_set_beside_its_own_gpus_preset():
+    """An H200 runs an H100's kernels (its ``generation``) with its own memory: the committed
+    H200 profile's 3.7 TB/s is 77 % of the H200's 4.8 TB/s, not 111 % of the H100's 3.35."""
+    doc = json.loads((session.SESSIONS / "nvidia-h200-2026-11-29" / "profile.json").read_text())
+    assert device_profile.preset_for(doc["measured"]["device"]) == "h200"
+    assert device_profile.preset_for("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert device_profile.preset_for("cpu-x86_64") is None
+    line = device_profile.describe(doc).splitlines()[-1]
+    assert line.startswith("  against the H200 SXM") and "memory 77% of the data sheet" in line, line
 
 
 @pytest.mark.parametrize("change, says", [

@@ -341,8 +341,18 @@ def profile(path, quick: bool = False, ranks: int = 2, runs_dir: str = "runs") -
     return clusters.dump(cluster, path, measured, flags)
 
 
-def describe(doc: dict, against: str = "h100-sxm") -> str:
-    """A profile's figures, and on a GPU what moved against the preset's assumed constants."""
+#: the preset of each GPU the planner knows, by a word of the device's name (an H200 before an
+#: H100: the H200's kernels follow the H100's curves, its memory and data sheet are its own)
+PRESET_OF = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"))
+
+
+def preset_for(device: str) -> str | None:
+    """The name of the preset of the GPU ``device`` names, or None (a CPU, an unknown GPU)."""
+    return next((preset for word, preset in PRESET_OF if word in device), None)
+
+
+def describe(doc: dict) -> str:
+    """A profile's figures, and on a known GPU what moved against its preset's assumed constants."""
     k = doc["kernels"]
     best = max(r[3] for r in k["matmul_table"])
     lines = [f"{doc['name']} ({doc['measured'].get('date', '')}): best matmul {best / 1e12:.3g} "
@@ -353,9 +363,9 @@ def describe(doc: dict, against: str = "h100-sxm") -> str:
     lines += [f"  {op} ({level}): {lat * 1e6:.1f} us a step, bus {bw / 1e9:.3g} GB/s"
               for op, level, lat, bw in doc["ops"]]
     lines += [f"  WARNING {flag}" for flag in doc.get("flags", [])]
-    gen = doc.get("generation")
-    if gen:
-        ref = clusters.PRESETS[against if gen == "H100" else "a100-80gb"]
+    preset = preset_for(doc["measured"].get("device", "")) if doc.get("generation") else None
+    if preset:
+        ref = clusters.PRESETS[preset]
         lines.append(f"  against the {ref.name} preset: matmul share {k['matmul']:.3f} vs "
                      f"{ref.kernels.matmul:.3f}, memory {doc['memory_bandwidth'] / ref.hbm:.0%} of "
                      f"the data sheet")

@@ -22,12 +22,10 @@ from dlab.theory.plan import cluster as clusters
 from dlab.tools import device_profile
 from dlab.tools.gpu import child
 
-PRESET_OF = {"H100": "h100-sxm", "H200": "h200", "A100": "a100-80gb"}
-
 
 def borrow_links(doc: dict, path: Path) -> dict:
     """``doc`` (a one-GPU profile) with its preset's links, rewritten at ``path``."""
-    name = PRESET_OF.get(doc.get("generation", ""))
+    name = device_profile.preset_for(doc.get("measured", {}).get("device", ""))
     if not name:
         return doc
     preset = clusters.PRESETS[name]
