@@ -66,7 +66,7 @@ def test_cli_reads_a_model_config(tmp_path, capsys):
 def test_calibrate_on_the_cpu_writes_a_profile_the_planner_reads(tmp_path, capsys, monkeypatch):
     """``plan calibrate --quick`` measures one thread's matmuls, attention, memory and two ranks'
     collectives (about 20 s here, mostly torchrun's start); ``--cluster`` reads the profile, and
-    the planner prices a matmul at the rate the profile measured for the nearest shape."""
+    the planner prices a matmul at the rate the profile measured for that shape."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "profile.json"
     assert main(["plan", "calibrate", "--quick", "--out", str(out)]) == 0

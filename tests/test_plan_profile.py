@@ -182,3 +182,24 @@ def test_what_a_calibration_flagged_is_said_by_every_prediction(doc, tmp_path):
     flagged = {**doc, "flags": ["all_reduce: its times do not grow with its bytes"]}
     cluster = clusters.preset(_write(tmp_path, flagged))
     assert "all_reduce: its times do not grow with its bytes" in plan(DENSE, cluster, TWO, 8, 512).assumptions
+
+
+def test_a_measured_grid_is_read_between_its_shapes_and_never_beyond_them():
+    """Log-linear interpolation recovers a power law exactly: rates made from
+    r = c m^0.3 n^0.2 k^0.4 on a 2 x 3 x 2 grid are read back at shapes between the measured
+    ones, the measured rows themselves, and the edge's rate past the grid. A table that is not
+    a full grid (``--quick``'s four shapes) is read at its nearest row."""
+    from dlab.theory.plan.kernels import nearest, table_rate
+
+    def law(m, n, k):
+        return 1e9 * m ** 0.3 * n ** 0.2 * k ** 0.4
+
+    grid = tuple((m, n, k, law(m, n, k)) for m in (256, 4096) for n in (512, 2048, 8192) for k in (512, 8192))
+    for shape in ((256, 512, 512), (1000, 700, 3000), (4096, 8192, 2048), (300, 5000, 600)):
+        assert table_rate(grid, shape, 3) == pytest.approx(law(*shape), rel=1e-12), shape
+    assert table_rate(grid, (65536, 8192, 8192), 3) == pytest.approx(law(4096, 8192, 8192))
+    assert table_rate(grid, (16, 512, 512), 3) == pytest.approx(law(256, 512, 512))
+    sparse = grid[:5]
+    assert table_rate(sparse, (1000, 700, 3000), 3) == nearest(sparse, (1000, 700, 3000))[3]
+    keys = ((512, 4e13, 3e13), (2048, 2.9e14, 2.3e14), (8192, 5.7e14, 5e14))
+    assert table_rate(keys, (1024,), 1) == pytest.approx((4e13 * 2.9e14) ** 0.5)  # half-way in log

@@ -26,7 +26,8 @@ a fixed launch cost, the three kinds of work a training step does priced apart:
 
 Where ``python -m dlab plan calibrate`` measured this device, its tables replace the curves:
 ``matmul_table`` (m, n, k, FLOP/s) and ``attention_table`` (keys, forward FLOP/s, backward
-FLOP/s), read at the nearest measured shape (``nearest``, in log space).
+FLOP/s), interpolated in log space between the measured shapes around the one asked for
+(``table_rate``).
 
 Every rate is further multiplied by ``sustained``: the share of a kernel's benchmarked rate it
 keeps inside a training step (clocks under a step's sustained power, caches the neighbouring
@@ -104,6 +105,38 @@ def nearest(table: tuple, key: tuple) -> tuple:
     return min(table, key=distance)
 
 
+def _bracket(values: tuple, x: float) -> tuple[tuple[float, float], ...]:
+    """(value, weight) of the measured values either side of ``x``, linear in log space; one
+    value at weight 1 outside their span (a rate is not extrapolated)."""
+    if x <= values[0]:
+        return ((values[0], 1.0),)
+    if x >= values[-1]:
+        return ((values[-1], 1.0),)
+    hi = next(i for i, v in enumerate(values) if v >= x)
+    a, b = values[hi - 1], values[hi]
+    t = math.log(x / a) / math.log(b / a)
+    return ((a, 1.0 - t), (b, t))
+
+
+def table_rate(table: tuple, key: tuple, column: int) -> float:
+    """The measured rate ``row[column]`` at ``key``. A table measured on a full grid (every
+    combination of its values per dimension, as ``plan calibrate`` measures) is interpolated
+    multilinearly in log space, its rates geometrically, between the measured shapes around
+    ``key``; any other table gives its nearest row's (``nearest``). The first H200 profile
+    priced 8192 x 8192 x 1024 at the nearest row's 4096 x 8192 x 512 (439 TFLOP/s), where
+    the shape half-way to 2048 in k (677) lies as near."""
+    dims = len(key)
+    values = [tuple(sorted({row[d] for row in table})) for d in range(dims)]
+    if len(table) != math.prod(len(v) for v in values) or len({row[:dims] for row in table}) != len(table):
+        return nearest(table, key)[column]
+    rate = {row[:dims]: row[column] for row in table}
+    corners = [()]
+    for d in range(dims):
+        corners = [(c + ((v, w),)) for c in corners for v, w in _bracket(values[d], key[d])]
+    log_rate = sum(math.prod(w for _, w in c) * math.log(rate[tuple(v for v, _ in c)]) for c in corners)
+    return math.exp(log_rate)
+
+
 def matmul_time(cluster, m: int, n: int, k: int, elt: int = 2, sustained: float = 1.0,
                 batch: float = 1) -> float:
     """Seconds of ``batch`` (m x k) @ (k x n) GEMMs of ``elt``-byte elements, one launch
@@ -111,7 +144,7 @@ def matmul_time(cluster, m: int, n: int, k: int, elt: int = 2, sustained: float 
     kern = cluster.kernels
     flops = 2.0 * m * n * k * batch
     if kern.matmul_table:
-        rate = nearest(kern.matmul_table, (m, n, k))[3]
+        rate = table_rate(kern.matmul_table, (m, n, k), 3)
     else:
         rate = cluster.peak * matmul_efficiency(kern, m, n, k, batch)
     moved = elt * batch * (m * k + k * n + m * n)
@@ -122,8 +155,7 @@ def attention_rate(cluster, kernel: str, keys: float, backward: bool) -> float:
     """FLOP/s of a fused attention kernel over ``keys`` keys per query (module docstring)."""
     kern = cluster.kernels
     if kern.attention_table:
-        row = nearest(kern.attention_table, (keys,))
-        return row[2] if backward else row[1]
+        return table_rate(kern.attention_table, (keys,), 2 if backward else 1)
     forward, back = next((f, b) for name, f, b in kern.attention if name == kernel)
     return cluster.peak * (back if backward else forward) * keys / (keys + kern.attention_half)
 
