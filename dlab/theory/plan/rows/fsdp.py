@@ -9,6 +9,10 @@ from dlab.theory.plan.spec import PRESETS, Transformer
 TITAN = Source("torchtitan", "pytorch/torchtitan: docs/performance.md at 157a12c (2024-04-24), "
                "64 A100s; benchmarks/llama3_h100_202412_torchtitan.md (runs of 2024-12, "
                "committed 2025-06-13), tables 1 and 3", "torchtitan 2024")
+TITAN_TP = Source("torchtitan-asynctp", "pytorch/torchtitan: benchmarks/asyncTP_llama3_h100_2025-06_"
+                  "torchtitan.md at 8b6770a (runs of 2025-06-14): Llama 3.1 70B on 256 and 8B on 64 "
+                  "H100s (Grand Teton, 500 W), FSDP2 x TP 8, torch.compile; its bfloat16 rows, "
+                  "vanilla and async tensor parallelism", "torchtitan TP 2025")
 FOUNDRY = Source("llm-foundry", "mosaicml/llm-foundry: scripts/train/benchmarking/README.md at "
                  "5e85bd6 (2024-01-06), 'H100 80GB BF16 (Large Scale, >= 128 GPUs)'",
                  "llm-foundry 2024")
@@ -115,6 +119,27 @@ TITAN_ROWS = [
            note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
     _titan("llama3-8b", 128, 2, 8192, "selective", 6514, "h100-grand-teton", "torchtitan-fsdp2-compile",
            note="sequence 8192 (its llama3_8b.toml); the selective op policy"),
+]
+
+def _titan_tp(model, dp, local, recompute, tps, asynchronous) -> Published:
+    """torchtitan's FSDP2 over ``dp`` x tensor parallelism over a node's 8 GPUs, sequence
+    parallel (its TP plan shards the norms' sequence), ``local`` sequences a data-parallel rank
+    in one micro-batch (its local batch size), compiled. The planner has no torchtitan stack
+    that overlaps tensor parallelism's collectives: the async rows are priced as the vanilla."""
+    lay = PlanLayout(dp=dp, tp=8, zero=3, sequence_parallel=True, micro_batch=local,
+                     recompute=recompute, precision="bf16-fp32-grads")
+    how = "async TP (overlapped), priced as vanilla TP" if asynchronous else "vanilla TP"
+    return Published(TITAN_TP, PRESETS[model], "h100-grand-teton", lay, dp * local, 8192,
+                     "tokens_per_s_per_gpu", tps, "torchtitan-fsdp2-compile",
+                     assumed=f"{how}; sequence 8192 (its llama3 tomls); TPS per GPU; the local "
+                             f"batch per data-parallel rank, one micro-batch")
+
+
+TITAN_TP_ROWS = [
+    _titan_tp("llama3-70b", 32, 16, "full", 597.3, False),
+    _titan_tp("llama3-70b", 32, 16, "full", 652.4, True),
+    _titan_tp("llama3-8b", 8, 12, "selective", 4378.0, False),
+    _titan_tp("llama3-8b", 8, 12, "selective", 4809.4, True),
 ]
 
 FOUNDRY_ROWS = [
