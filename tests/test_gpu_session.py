@@ -302,3 +302,58 @@ def test_the_command_in_cpu_mode_end_to_end(tmp_path):
     assert f"wrote {out}: valid" in proc.stdout
     assert schema.problems(out) == []
     assert _read(out, "check.json")["passed"] >= 1
+
+
+def _markdown(name: str) -> str:
+    nb = json.loads((Path(__file__).parents[1] / "notebooks" / name).read_text())
+    return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+
+
+def test_the_notebooks_prose_quotes_the_newest_session_as_measured():
+    """Notebooks 15 and 11 read the H200 session's figures in their prose. Each quoted figure is
+    recomputed here from the session's files (and, for the planner's step, from the planner), so
+    a figure typed wrong, or a newer session committed without the prose following it, fails."""
+    from dlab.plan import PlanLayout, clusters, models, plan, stacks
+    from dlab.tools.gpu.attention import causal_flops
+
+    folder = lessons.sessions()[-1]
+    assert folder.name == "nvidia-h200-2026-11-29", (
+        f"the newest session is {folder.name}: notebooks 15 and 11 quote nvidia-h200-2026-11-29's "
+        f"figures in their prose; read the new one there and update this test")
+    doc = {name: json.loads((folder / f"{name}.json").read_text())
+           for name in ("step_profile", "attention", "matmul", "allocator", "collectives")}
+    step = doc["step_profile"]
+    att = {(r["backend"], r["seq"]): r for r in doc["attention"]["rows"]}
+    bf16 = max(r["tflops"] for r in doc["matmul"]["rows"] if r.get("dtype") == "bf16" and r.get("tflops"))
+    alloc = doc["allocator"]
+    gloo = next(r for r in doc["collectives"]["rows"] if r["backend"] == "gloo" and r["op"] == "all_reduce"
+                and r["bytes"] == 1 << 25)
+    fwd = next(p for p in step["phases"] if p["name"] == "forward")
+    b, h, d = doc["attention"]["batch"], doc["attention"]["heads"], doc["attention"]["head_dim"]
+    cudnn_8k = att["cudnn", 8192]
+    quoted = {
+        f"{step['busy_s'] * 1e3:.1f} ms of a {step['step_s'] * 1e3:.1f} ms step",
+        f"({step['busy_s'] / step['step_s']:.0%}".replace("%", " %"),
+        f"{fwd['host_s'] * 1e3:.1f} ms for {fwd['events']} kernels that ran {fwd['busy_s'] * 1e3:.1f} ms",
+        f"reaches {att['cudnn', 16384]['tflops']:.0f} TFLOP/s at s = 16384",
+        f"FlashAttention-2 (`flash`) {att['flash', 16384]['tflops']:.0f}",
+        f"bf16 reaches {bf16:.0f} TFLOP/s",
+        f"allocator peaked at {alloc['allocator_peak'] / 2**20:,.1f} MiB allocated",
+        f"dlab counted {alloc['dlab_peak'] / 2**20:,.1f} MiB",
+        f"takes {gloo['seconds'] * 1e3:.1f} ms, {gloo['busbw'] / 1e9:.1f} GB/s",
+    }
+    text15 = " ".join(_markdown("15_gpu.ipynb").split())
+    assert [q for q in quoted if q not in text15] == []
+    fwd_rate = causal_flops(b, h, 8192, d) / cudnn_8k["forward_s"] / 1e12
+    bwd_rate = 2.5 * causal_flops(b, h, 8192, d) / cudnn_8k["backward_s"] / 1e12
+    profile = json.loads((folder / "profile.json").read_text())
+    assert profile["kernels"]["attention_table"][-1][1:] == pytest.approx([fwd_rate * 1e12, bwd_rate * 1e12])
+    llama, stack = models.preset("llama3-70b"), stacks.preset("megatron-core-2024")
+    lay = PlanLayout(dp=32, tp=8, pp=4, zero=1, sequence_parallel=True, schedule="interleaved",
+                     virtual_stages=2, micro_batch=1)
+    preset = plan(llama, clusters.preset("h100-sxm"), lay, 1024, 8192, stack).step_s
+    measured = plan(llama, clusters.load(folder / "profile.json"), lay, 1024, 8192, stack).step_s
+    text11 = " ".join(_markdown("11_planning_at_scale.ipynb").split())
+    more = f"{measured / preset - 1:.0%}".replace("%", " %")
+    said = f"the step is {measured:.2f} s instead of {preset:.2f} (+{more}"
+    assert said in text11, said
