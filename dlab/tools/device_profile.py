@@ -6,16 +6,16 @@ runs), and written as a profile (``dlab.theory.plan.cluster.dump``) that ``--clu
 ``clusters.load`` read:
 
 - matmul: FLOP/s over a grid of shapes (m, n, k), the median of a few timed repeats after a
-  warm-up (on a GPU each repeat several calls queued back to back: ``calls_per_sample``); the
-  best of them over the peak is the profile's ``matmul`` share, and the table replaces the
-  quantization curve;
+  warm-up (``dlab.runtime.benchmark``: on a GPU each repeat several calls queued back to
+  back); the best of them over the peak is the profile's ``matmul`` share, and the table
+  replaces the quantization curve;
 - attention: the fused causal attention (``scaled_dot_product_attention``) over sequence
   lengths, forward and backward, at its executed FLOPs (the causal half; backward 2.5 times
   forward, as ``dlab.theory.plan.ops`` counts them), on a GPU at a model's heads and enough
   tokens to fill it (``attention_shape``);
 - memory bandwidth: a large copy's bytes read and written per second; the launch cost: a
-  one-element op's seconds, queued back to back on a GPU (``calls_per_sample``: what a kernel
-  adds to a step however small, not the host's round trip to wait for it);
+  one-element op's seconds, queued back to back on a GPU (what a kernel adds to a step however
+  small, not the host's round trip to wait for it);
 - collectives, with ``ranks`` > 1: all-reduce, all-gather, reduce-scatter, all-to-all and a
   send/receive pair over message sizes on ``ranks`` fresh processes (Gloo on the CPU, NCCL on
   GPUs), the slowest rank's median; each op's latency per step and bus bandwidth fitted by
@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from dlab.core.machine import GPU_PEAK_FLOPS, usable_cores
 from dlab.procs.spawn import spawn
+from dlab.runtime.benchmark import benchmark
 from dlab.theory.comm import AlphaBeta
 from dlab.theory.plan import cluster as clusters
 from dlab.theory.plan.collectives import bus_bytes, steps
@@ -68,44 +69,10 @@ def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-#: on a GPU, a timed sample holds at least this much work: one kernel between two
-#: synchronisations is mostly the host's round trip when it is short
-SAMPLE_S = 1e-3
-MAX_CALLS = 200
-
-
-def calls_per_sample(one_call_s: float, cuda: bool) -> int:
-    """Back-to-back calls per timed sample. A GPU runs kernels queued one after another, as a
-    training step does, and the planner adds each kernel's launch cost itself
-    (``kernels.Kernels.launch``): a rate timed with a synchronisation around every call would
-    count the host's round trip (about 20 us on an H200, 2026-11-29) once in the rate and again
-    as the launch. On the CPU a call is its own work: one."""
-    if not cuda or one_call_s <= 0:
-        return 1
-    return max(1, min(MAX_CALLS, math.ceil(SAMPLE_S / one_call_s)))
-
-
 def _seconds(fn, repeats: int) -> float:
-    """Median seconds of one ``fn()`` after a warm-up; on a GPU each sample is
-    ``calls_per_sample`` calls between two synchronisations, divided by their number."""
-    cuda = torch.cuda.is_available()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    calls = calls_per_sample(time.perf_counter() - start, cuda)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    """Median seconds of one ``fn()`` after a warm-up, on this process's device (short kernels
+    queued back to back on a GPU: ``dlab.runtime.benchmark``)."""
+    return benchmark(fn, 1, repeats, _device())["median"]
 
 
 def _dtype(device) -> torch.dtype:
