@@ -19,6 +19,7 @@ import pytest
 
 from dlab.cli.main import main as cli
 from dlab.models.gpt import GPTConfig
+from dlab.plan import PlanLayout, models, plan, stacks
 from dlab.theory.plan import cluster as clusters
 from dlab.tools import check, device_profile
 from dlab.tools.gpu import attention, calibration, gpt_step, lessons, schema, session, trace_summary
@@ -313,9 +314,6 @@ def test_the_notebooks_prose_quotes_the_newest_session_as_measured():
     """Notebooks 15 and 11 read the H200 session's figures in their prose. Each quoted figure is
     recomputed here from the session's files (and, for the planner's step, from the planner), so
     a figure typed wrong, or a newer session committed without the prose following it, fails."""
-    from dlab.plan import PlanLayout, clusters, models, plan, stacks
-    from dlab.tools.gpu.attention import causal_flops
-
     folder = lessons.sessions()[-1]
     assert folder.name == "nvidia-h200-2026-11-29", (
         f"the newest session is {folder.name}: notebooks 15 and 11 quote nvidia-h200-2026-11-29's "
@@ -344,8 +342,8 @@ def test_the_notebooks_prose_quotes_the_newest_session_as_measured():
     }
     text15 = " ".join(_markdown("15_gpu.ipynb").split())
     assert [q for q in quoted if q not in text15] == []
-    fwd_rate = causal_flops(b, h, 8192, d) / cudnn_8k["forward_s"] / 1e12
-    bwd_rate = 2.5 * causal_flops(b, h, 8192, d) / cudnn_8k["backward_s"] / 1e12
+    fwd_rate = attention.causal_flops(b, h, 8192, d) / cudnn_8k["forward_s"] / 1e12
+    bwd_rate = 2.5 * attention.causal_flops(b, h, 8192, d) / cudnn_8k["backward_s"] / 1e12
     profile = json.loads((folder / "profile.json").read_text())
     assert profile["kernels"]["attention_table"][-1][1:] == pytest.approx([fwd_rate * 1e12, bwd_rate * 1e12])
     llama, stack = models.preset("llama3-70b"), stacks.preset("megatron-core-2024")

@@ -13,7 +13,7 @@ import pytest
 from dlab.plan import PlanLayout, clusters, plan, step_range
 from dlab.theory.comm import AlphaBeta
 from dlab.theory.plan.collectives import OPS
-from dlab.theory.plan.kernels import Kernels
+from dlab.theory.plan.kernels import Kernels, nearest, table_rate
 from dlab.theory.plan.spec import Transformer
 
 KERNELS = Kernels(matmul=0.8, sms=6, tile=(64, 32, 16), best=(512, 512, 512), fill=2.0,
@@ -189,8 +189,6 @@ def test_a_measured_grid_is_read_between_its_shapes_and_never_beyond_them():
     r = c m^0.3 n^0.2 k^0.4 on a 2 x 3 x 2 grid are read back at shapes between the measured
     ones, the measured rows themselves, and the edge's rate past the grid. A table that is not
     a full grid (``--quick``'s four shapes) is read at its nearest row."""
-    from dlab.theory.plan.kernels import nearest, table_rate
-
     def law(m, n, k):
         return 1e9 * m ** 0.3 * n ** 0.2 * k ** 0.4
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import dlab
+from dlab.procs import spawn as spawn_module
 
 
 def rank_and_sum(scale):
@@ -27,8 +28,6 @@ def test_spawn_forks_its_ranks_only_on_a_machine_without_cuda(monkeypatch, runs_
     """A function may put tensors on the one GPU under Gloo (two ranks on one GPU), and a rank
     forked from the agent cannot initialise CUDA (an H200's session, torch 2.11): on a machine
     with any GPU, spawn's ranks start as torchrun's commands."""
-    from dlab.procs import spawn as spawn_module
-
     asked = []
 
     def start(*args, forked, **kwargs):

@@ -135,8 +135,8 @@ def _losses(run) -> list[float]:
 def check_case(case: Case, references: dict, runs_dir: str) -> dict:
     row = {"strategy": case.strategy, "ranks": case.world_size, "backend": case.backend,
            "device": case.device}
-    # every check launch makes (a layout that needs more ranks than one GPU gives is refused
-    # here, as a row, not by launch's ConfigError in the middle of the table)
+    # launch's own checks, asked first: a case they refuse (on one GPU, a layout needing more
+    # ranks than there are) is a skipped row, not launch's ConfigError ending the whole table
     problems = validate.problems(RunConfig(strategy=case.strategy, world_size=case.world_size,
                                            **case.config()))
     if problems:
