@@ -1,7 +1,8 @@
 """What a stack's own choices cost in the planner's step, each against a count written here from
 the collectives' and the memory's own prices: the pipeline transfer split over the
-tensor-parallel ranks (Megatron-LM 2021-22, DeepSpeed's pipeline engine) and DeepSpeed's
-BF16_Optimizer adding every micro-batch's gradients into fp32 ones by a pass of its own."""
+tensor-parallel ranks (Megatron-LM 2021-22, DeepSpeed's pipeline engine), DeepSpeed's
+BF16_Optimizer adding every micro-batch's gradients into fp32 ones by a pass of its own, and
+async tensor parallelism hiding each collective it decomposes behind that collective's GEMMs."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,8 @@ import pytest
 from dlab.plan import PlanLayout, clusters, models, plan, stacks
 from dlab.theory.plan import collectives
 from dlab.theory.plan.memory import rank_params
-from dlab.theory.plan.time import HP_GRAD_PASS
+from dlab.theory.plan.predict import sustained
+from dlab.theory.plan.time import HP_GRAD_PASS, Knobs, compute
 
 A100 = clusters.preset("a100-80gb")
 GPT175 = models.preset("gpt3-175b")
@@ -75,3 +77,33 @@ def test_the_bf16_optimizer_adds_each_micro_batchs_gradients_into_fp32_by_a_pass
     bf16 = dataclasses.replace(lay, precision="bf16")
     assert plan(GPT175, A100, bf16, 4 * m, 2048, ds).time["compute"] == pytest.approx(
         plan(GPT175, A100, bf16, 4 * m, 2048, fused).time["compute"], rel=1e-12)
+
+
+@pytest.mark.parametrize("micro_batch", [1, 8])
+def test_async_tensor_parallelism_hides_each_collective_it_decomposes_behind_its_own_gemms(micro_batch):
+    """Llama 3 8B over tp 8 in one DGX H100, sequence parallel, one micro-batch. PyTorch's
+    micro-pipelining runs forward's all-gathers with the GEMMs they feed (QKV; the MLP's gate and
+    up) and its reduce-scatters with the GEMMs that feed them (the output projection; the MLP's
+    last), and backward's all-gathers of those two outputs' gradients with their input-gradient
+    GEMMs: each hides what its GEMMs cover (min(collective, GEMMs)) and no more, and backward's
+    reduce-scatters of summed input gradients block. Against the same stack with nothing
+    hidden, the difference is the hidden seconds, which the interference charges a share of.
+    Without sequence parallelism there is nothing to decompose (all-reduces)."""
+    h100, spec = clusters.preset("h100-sxm"), models.preset("llama3-8b")
+    lay = PlanLayout(tp=8, sequence_parallel=True, micro_batch=micro_batch, precision="bf16")
+    fused = stacks.preset("torchtitan-asynctp")
+    blocking = dataclasses.replace(fused, tp_async=0.0)
+    gemm = compute(spec, h100, lay, fused, 8192, 0, Knobs(sustained=sustained(h100)))["gemms"]
+    act = 2 * micro_batch * 8192 * spec.d_model
+    ag, rs = (collectives.collective_time(h100, op, act, 8) for op in ("all_gather", "reduce_scatter"))
+    pairs = [(ag, gemm["qkv"]), (ag, gemm["mlp gate"] + gemm["mlp up"]), (rs, gemm["projection"]),
+             (rs, gemm["mlp out"]), (ag, gemm["projection input grad"]),
+             (ag, gemm["mlp out input grad"])]
+    assert any(c > w for c, w in pairs) and any(c < w for c, w in pairs)  # both regimes priced
+    hidden = spec.n_layer * sum(min(c, w) for c, w in pairs)
+    a, b = (plan(spec, h100, lay, micro_batch, 8192, s) for s in (fused, blocking))
+    assert b.time["tp_comm"] - a.time["tp_comm"] == pytest.approx(hidden, rel=1e-9)
+    assert a.time["interference"] - b.time["interference"] == pytest.approx(0.1 * hidden, rel=1e-9)
+    plain = dataclasses.replace(lay, sequence_parallel=False)
+    assert plan(spec, h100, plain, micro_batch, 8192, fused).time["tp_comm"] == pytest.approx(
+        plan(spec, h100, plain, micro_batch, 8192, blocking).time["tp_comm"], rel=1e-12)

@@ -35,6 +35,15 @@ prediction names its stack. What a stack decides:
   Megatron-LM from 2022 (``LinearWithGradAccumulationAndAsyncCommunication``: the re-gather
   beside the input-gradient GEMM, the reduce-scatter or all-reduce beside the weight-gradient
   GEMM; ``--no-async-tensor-model-parallel-allreduce`` turns it off);
+- ``tp_async``: under sequence parallelism, the all-gathers whose result only GEMMs take as
+  their left operand and the reduce-scatters of a GEMM's output run decomposed with those
+  GEMMs, one step per rank over symmetric memory (PyTorch's async tensor parallelism:
+  torch._inductor's micro_pipeline_tp pass rewrites them as fused_all_gather_matmul and
+  fused_matmul_reduce_scatter; Wang et al. 2022, "Overlap Communication with Dependent
+  Computation via Decomposition"): forward's four a layer, and in backward the all-gathers of
+  the row-parallel outputs' gradients before their input-gradient GEMMs; backward's
+  reduce-scatters of the column-parallel layers' input gradient are of a sum of GEMMs (QKV's
+  three, the MLP's two), which the pass does not match, and stay blocking;
 - ``pp_transfers``: the pipeline transfers a stage waits for per micro-batch and model chunk:
   2 where each send goes out with the receive it waits on (Megatron-LM's
   send_forward_recv_backward, one batch_isend_irecv), 4 where every send and receive is its own
@@ -151,6 +160,9 @@ class Stack:
     #: the share of backward's column-parallel collectives that hides behind the GEMMs beside
     #: them (module docstring), where it exceeds ``tp``
     tp_backward: float = 0.0
+    #: the share of each collective async tensor parallelism decomposes that hides behind the
+    #: GEMMs it runs in steps with (module docstring)
+    tp_async: float = 0.0
     cp: float = 1.0
     ep: float = 0.0
     pp: float = 0.0
@@ -164,7 +176,8 @@ class Stack:
     hp_grad_pass: bool = False
 
     def overlaps(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("grads", "params", "tp", "tp_backward", "cp", "ep", "pp")}
+        return {k: getattr(self, k) for k in ("grads", "params", "tp", "tp_backward", "tp_async", "cp",
+                                                   "ep", "pp")}
 
     def describe(self) -> str:
         hidden = ", ".join(f"{k} {v:.0%}" for k, v in self.overlaps().items())
@@ -249,6 +262,16 @@ PRESETS = {s.name: s for s in (
           "torchtitan with torch.compile per block: as torchtitan-fsdp2, the element-wise ops "
           "fused by Inductor", fused=True, attention="fa2", selective="half-mm",
           grads=1.0, params=1.0, tp=0.0, cp=1.0, ep=0.0, pp=0.0, copies=True, bucket=0.0,
+          sp_regather=False, sharding=PER_PARAMETER),
+    Stack("torchtitan-asynctp",
+          "torchtitan with torch.compile and async tensor parallelism (2025: "
+          "enable_async_tensor_parallel): as torchtitan-fsdp2-compile, with Inductor's "
+          "micro-pipelining of tensor parallelism's collectives over symmetric memory, each "
+          "all-gather before the GEMMs it feeds and each reduce-scatter after the GEMM that "
+          "feeds it run in one step per rank beside those GEMMs (forward's four a layer, "
+          "backward's two all-gathers); backward's reduce-scatters of summed input gradients "
+          "block", fused=True, attention="fa2", selective="half-mm", grads=1.0, params=1.0,
+          tp=0.0, tp_async=1.0, cp=1.0, ep=0.0, pp=0.0, copies=True, bucket=0.0,
           sp_regather=False, sharding=PER_PARAMETER),
     Stack("pytorch-fsdp1",
           "PyTorch's FullyShardedDataParallel (FSDP1, flat parameters) as MosaicML's "

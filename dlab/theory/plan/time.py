@@ -18,8 +18,11 @@ at share 0, what the window cannot cover at share 1 (``exposed``). Per micro-bat
   may hide only backward's column-parallel collectives (``Stack.tp_backward``: the input
   gradient's all-reduce, or its reduce-scatter and the re-gather, behind the QKV and MLP-in
   GEMMs beside them, Megatron-LM's asynchronous ones); their window is the layer's matmuls
-  (Megatron-Core's --tp-comm-overlap pipelines them with the GEMMs beside them); plus one on
-  the embedding and two at the head, exposed;
+  (Megatron-Core's --tp-comm-overlap pipelines them with the GEMMs beside them); a stack with
+  async tensor parallelism (``Stack.tp_async``) hides each collective that PyTorch's
+  micro-pipelining decomposes behind the GEMMs it feeds or is fed by, and no more
+  (``decomposed``), its other collectives blocking; plus one on the embedding and two at the
+  head, exposed;
 - cp, a ring: (cp-1) passes of the rank's K and V forward, twice that backward (dK and dV come
   back), their window the attention core; an all-gather (Llama 3's): an all-gather of K and V
   forward, another and a reduce-scatter of their gradients backward;
@@ -122,6 +125,7 @@ def _compute(spec, cluster, lay, stack, seq_len: int, pp_rank: int, knobs: Knobs
 
     f, b = total(fwd), total(bwd)
     return {"layers": layers, "layer_forward": f, "layer_backward": b,
+            "gemms": {op.name: total([op]) for op in (*fwd, *bwd) if op.kind == "matmul"},
             "layer_recompute": total(recomputed(spec, lay, stack, fwd))
             * spec.recomputed_share(lay.recompute, lay.recompute_every),
             "matmul_forward": total(op for op in fwd if op.kind == "matmul"),
@@ -134,6 +138,27 @@ def _compute(spec, cluster, lay, stack, seq_len: int, pp_rank: int, knobs: Knobs
 
 def _share(stack, knobs, name: str) -> float:
     return getattr(stack, name) * knobs.overlap
+
+
+def decomposed(cluster, act: float, t: int, gemms: dict) -> tuple[list, list]:
+    """Async tensor parallelism's (``Stack.tp_async``) collectives of one layer under sequence
+    parallelism, each as (its seconds, the GEMMs it runs in steps with): forward, the
+    all-gather of the attention's input with the QKV GEMMs that take it, of the MLP's input with
+    its first GEMMs, and the reduce-scatters of the output projection's and the MLP's last
+    GEMM's outputs; backward, the all-gathers of those two outputs' gradients with the
+    input-gradient GEMMs that take them. Decomposed into one step per rank (a shard's GEMM
+    while the next shard arrives; Wang et al. 2022), a collective is exposed only where it is
+    longer than its GEMMs."""
+    ag = collective_time(cluster, "all_gather", act, t)
+    rs = collective_time(cluster, "reduce_scatter", act, t)
+
+    def gemm(*names):
+        return sum(s for name, s in gemms.items() if name in names)
+
+    forward = [(ag, gemm("qkv")), (ag, gemm("mlp in", "mlp gate", "mlp up")),
+               (rs, gemm("projection")), (rs, gemm("mlp out"))]
+    backward = [(ag, gemm("projection input grad")), (ag, gemm("mlp out input grad"))]
+    return forward, backward
 
 
 def communication(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp_rank: int,
@@ -167,16 +192,25 @@ def communication(spec, cluster, lay, stack, global_batch: int, seq_len: int, pp
         regather = 2 if lay.sequence_parallel and stack.sp_regather else 0
         back = one + regather * collective_time(cluster, "all_gather", act, t)
         share, column = _share(stack, knobs, "tp"), _share(stack, knobs, "tp_backward")
-        charge("tp", one, comp["matmul_forward"], share, m * layers)
-        if column > share:  # the column-parallel layers' collectives behind their own GEMMs
-            row = 2 * collective_time(cluster, "all_gather", act, t) if lay.sequence_parallel else 0.0
-            charge("tp", row, comp["matmul_backward"], share, m * layers)
-            charge("tp", back - row, comp["column_backward"], column, m * layers)
-        else:
-            charge("tp", back, comp["matmul_backward"], share, m * layers)
         again = spec.recomputed_share(lay.recompute, lay.recompute_every) if lay.recompute == "full" else 0.0
         calls = 2 + again
-        charge("tp", one, comp["matmul_forward"], share, m * layers * again)
+        if stack.tp_async and lay.sequence_parallel:
+            forward, backward = decomposed(cluster, act, t, comp["gemms"])
+            hide = _share(stack, knobs, "tp_async")
+            for comm, window in forward:
+                charge("tp", comm, window, hide, m * layers * (1 + again))
+            for comm, window in backward:
+                charge("tp", comm, window, hide, m * layers)
+            blocking = back - sum(comm for comm, _ in backward)  # the two reduce-scatters, regathers
+            charge("tp", blocking, comp["matmul_backward"], share, m * layers)
+        else:
+            charge("tp", one, comp["matmul_forward"], share, m * layers * (1 + again))
+            if column > share:  # the column-parallel layers' collectives behind their own GEMMs
+                row = 2 * collective_time(cluster, "all_gather", act, t) if lay.sequence_parallel else 0.0
+                charge("tp", row, comp["matmul_backward"], share, m * layers)
+                charge("tp", back - row, comp["column_backward"], column, m * layers)
+            else:
+                charge("tp", back, comp["matmul_backward"], share, m * layers)
         ends = int(first) + 2 * int(last)
         end_op = "reduce_scatter" if lay.sequence_parallel else "all_reduce"
         charge("tp", collective_time(cluster, end_op, act, t), 0.0, 0.0, m * ends)

@@ -124,13 +124,14 @@ TITAN_ROWS = [
 def _titan_tp(model, dp, local, recompute, tps, asynchronous) -> Published:
     """torchtitan's FSDP2 over ``dp`` x tensor parallelism over a node's 8 GPUs, sequence
     parallel (its TP plan shards the norms' sequence), ``local`` sequences a data-parallel rank
-    in one micro-batch (its local batch size), compiled. The planner has no torchtitan stack
-    that overlaps tensor parallelism's collectives: the async rows are priced as the vanilla."""
+    in one micro-batch (its local batch size), compiled; the async rows on the stack that
+    decomposes tensor parallelism's collectives with their GEMMs (``torchtitan-asynctp``)."""
     lay = PlanLayout(dp=dp, tp=8, zero=3, sequence_parallel=True, micro_batch=local,
                      recompute=recompute, precision="bf16-fp32-grads")
-    how = "async TP (overlapped), priced as vanilla TP" if asynchronous else "vanilla TP"
+    how = "async TP" if asynchronous else "vanilla TP"
+    stack = "torchtitan-asynctp" if asynchronous else "torchtitan-fsdp2-compile"
     return Published(TITAN_TP, PRESETS[model], "h100-grand-teton", lay, dp * local, 8192,
-                     "tokens_per_s_per_gpu", tps, "torchtitan-fsdp2-compile",
+                     "tokens_per_s_per_gpu", tps, stack,
                      assumed=f"{how}; sequence 8192 (its llama3 tomls); TPS per GPU; the local "
                              f"batch per data-parallel rank, one micro-batch")
 
