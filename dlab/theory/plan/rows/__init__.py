@@ -1,7 +1,7 @@
 """The published rows the planner is scored on (``dlab.theory.plan.published``), as code: each
 source's configurations with the figure as the source states it, where it states it.
 
-Thirteen sources, 139 configurations, two GPU generations, the stacks they ran:
+Fourteen sources, 191 configurations, two GPU generations, the stacks they ran:
 
 - Narayanan et al. 2021 (Megatron-LM, 3D parallelism on A100s), table 1: 10 rows;
 - Korthikanti et al. 2022 (sequence parallelism, selective recomputation, A100s), table 4: 8;
@@ -18,7 +18,8 @@ and, added after the planner was built and scored blind when added (``blind.json
 - MT-NLG 530B (Smith et al. 2022): 3; OPT-175B (Zhang et al. 2022, metaseq): 1;
 - IBM's fms-fsdp (PyTorch FSDP1, eager and compiled, on 128 A100s and 96 H100s): 16;
 - llm-foundry's A100 tables, their rows over more than one node (FSDP1 at 16-128 GPUs): 30;
-- torchtitan's async TP page (FSDP2 x TP 8 on 64 and 256 H100s, compiled, bf16): 4.
+- torchtitan's async TP page (FSDP2 x TP 8 on 64 and 256 H100s, compiled, bf16): 4;
+- llm-foundry's "H100 80GB BF16" table (FSDP1 on 8-64 H100s, sequences of 512 to 65,536): 52.
 
 Each row says what was assumed where its source is silent (``Published.assumed``). Left out:
 rows in fp8 (the planner prices bf16 kernels only), torchtitan's 405B row (its "H100 (94GB
@@ -35,4 +36,4 @@ __all__ = ["ROWS", "Published", "Source"]
 ROWS = [*megatron.TABLE_1, *megatron.KORTHIKANTI_ROWS, *meta.LLAMA3_ROWS, *megatron.MCORE_ROWS,
         *fsdp.TITAN_ROWS, *fsdp.FOUNDRY_ROWS, *megatron.BIGSCIENCE_ROWS, *megatron.TABLE_2,
         *megatron.MTNLG_ROWS, *meta.OPT_ROWS, *fsdp.FOUNDRY_A100_ROWS, *fsdp.FMS_ROWS,
-        *fsdp.TITAN_TP_ROWS]
+        *fsdp.TITAN_TP_ROWS, *fsdp.FOUNDRY_H100_ROWS]

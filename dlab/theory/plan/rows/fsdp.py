@@ -23,6 +23,9 @@ FOUNDRY_A100 = Source("llm-foundry-a100", "mosaicml/llm-foundry: scripts/train/b
                       "interconnect (RoCE)' and 'A100 40GB with 1600 Gbps node-node interconnect "
                       "(RoCE)': their rows over more than one node (16 to 128 GPUs)",
                       "llm-foundry A100 2024")
+FOUNDRY_H100 = Source("llm-foundry-h100", "mosaicml/llm-foundry: scripts/train/benchmarking/"
+                      "README.md at 5e85bd6 (2024-01-06), 'H100 80GB BF16': its rows on 8 to 64 "
+                      "GPUs, sequences of 512 to 65,536 tokens", "llm-foundry H100 8-64 GPUs")
 FMS = Source("fms-fsdp", "foundation-model-stack/fms-fsdp: README.md, 'Training throughput "
              "benchmarks', at 4ffb9bd (2024-03-21, eager) and at ed74fd5 (2024-05-09, 'updated with "
              "torch.compile'): Llama 2 shapes on 128 A100 80GB (400 Gb/s a node) and 96 H100 "
@@ -71,6 +74,18 @@ def _mpt_a100(size, memory, gpus, micro, accum, tps, ac) -> Published:
     return Published(FOUNDRY_A100, _mpt_spec(size), f"a100-{memory}gb", lay, gpus * micro * accum, 2048,
                      "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
                      assumed="its nodes as DGX A100s (8 GPUs, NVSwitch; 1600 Gb/s a node as 8 x 200)")
+
+
+def _mpt_h100(size, seq, gpus, micro, accum, tps, ac) -> Published:
+    """A row of llm-foundry's "H100 80GB BF16" table (8 to 64 GPUs): an MPT (as ``_mpt``) at the
+    row's sequence length, FULL_SHARD in "amp_bf16" with Composer's "DEFAULT" mixed precision
+    (gradients reduced in fp32, as ``_mpt``), ``accum`` micro-batches of ``micro`` sequences a
+    step."""
+    lay = PlanLayout(dp=gpus, zero=3, micro_batch=micro, recompute="full" if ac else "none",
+                     precision="bf16-fp32-grads")
+    return Published(FOUNDRY_H100, _mpt_spec(size), "h100-sxm", lay, gpus * micro * accum, seq,
+                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
+                     assumed="DGX H100 nodes (the platform's network is not stated)")
 
 
 def _fms(size, sharding, every, a100_tps, h100_tps, compiled, note) -> list[Published]:
@@ -196,4 +211,60 @@ FMS_ROWS = [
           "MFU on the A100s, 0.74 / 0.55 = 1.35, is full recomputation's 4/3: every block"),
     *_fms("70b", "FSDP", 1, 410, 890, True, "'Selective AC' of an unstated share: its HFU over "
           "MFU on the A100s, 0.74 / 0.55 = 1.35, is full recomputation's 4/3: every block"),
+]
+
+#: the table in its order: size, sequence, GPUs, micro-batch, accumulation, tokens/s a GPU, recomputation
+FOUNDRY_H100_ROWS = [
+    _mpt_h100("70b", 2048, 64, 8, 4, 1039, True),
+    _mpt_h100("70b", 2048, 32, 2, 16, 882, True),
+    _mpt_h100("30b", 8192, 8, 1, 21, 1384, True),
+    _mpt_h100("30b", 4096, 8, 1, 21, 1802, True),
+    _mpt_h100("30b", 2048, 32, 14, 3, 2308, True),
+    _mpt_h100("30b", 2048, 16, 10, 3, 2263, True),
+    _mpt_h100("30b", 2048, 8, 3, 21, 2002, True),
+    _mpt_h100("30b", 1024, 8, 6, 21, 2084, True),
+    _mpt_h100("13b", 32768, 8, 1, 3, 1976, True),
+    _mpt_h100("13b", 16384, 8, 3, 3, 2985, True),
+    _mpt_h100("13b", 4096, 8, 10, 3, 4717, True),
+    _mpt_h100("13b", 2048, 64, 2, 1, 4800, False),
+    _mpt_h100("13b", 2048, 32, 2, 1, 4811, False),
+    _mpt_h100("13b", 2048, 16, 2, 1, 4767, False),
+    _mpt_h100("13b", 2048, 8, 2, 1, 4792, False),
+    _mpt_h100("13b", 1024, 8, 40, 3, 5502, True),
+    _mpt_h100("7b", 65536, 8, 1, 2, 1956, True),
+    _mpt_h100("7b", 32768, 8, 2, 2, 3318, True),
+    _mpt_h100("7b", 8192, 8, 8, 2, 6935, True),
+    _mpt_h100("7b", 4096, 8, 16, 2, 8611, True),
+    _mpt_h100("7b", 2048, 8, 6, 1, 10643, False),
+    _mpt_h100("7b", 1024, 8, 64, 2, 10203, True),
+    _mpt_h100("3b", 65536, 8, 1, 2, 3262, True),
+    _mpt_h100("3b", 32768, 8, 3, 6, 5873, True),
+    _mpt_h100("3b", 16384, 8, 1, 6, 11152, False),
+    _mpt_h100("3b", 8192, 8, 3, 6, 16578, False),
+    _mpt_h100("3b", 4096, 8, 5, 6, 20964, False),
+    _mpt_h100("3b", 2048, 64, 6, 3, 22525, False),
+    _mpt_h100("3b", 2048, 32, 6, 3, 23021, False),
+    _mpt_h100("3b", 2048, 16, 10, 3, 24142, False),
+    _mpt_h100("3b", 1024, 8, 20, 6, 27046, False),
+    _mpt_h100("3b", 512, 8, 40, 6, 27965, False),
+    _mpt_h100("1b", 65536, 8, 1, 2, 5506, True),
+    _mpt_h100("1b", 32768, 8, 1, 4, 12025, False),
+    _mpt_h100("1b", 16384, 8, 2, 4, 19649, False),
+    _mpt_h100("1b", 8192, 8, 3, 4, 29157, False),
+    _mpt_h100("1b", 4096, 8, 7, 4, 38535, False),
+    _mpt_h100("1b", 2048, 64, 20, 1, 44402, False),
+    _mpt_h100("1b", 2048, 32, 20, 1, 45130, False),
+    _mpt_h100("1b", 2048, 16, 20, 1, 46037, False),
+    _mpt_h100("1b", 2048, 8, 14, 1, 45455, False),
+    _mpt_h100("1b", 1024, 8, 18, 4, 48910, False),
+    _mpt_h100("1b", 512, 8, 56, 4, 52275, False),
+    _mpt_h100("760m", 32768, 8, 1, 2, 16291, False),
+    _mpt_h100("760m", 16384, 8, 3, 2, 27815, False),
+    _mpt_h100("760m", 8192, 8, 6, 2, 41825, False),
+    _mpt_h100("760m", 4096, 8, 12, 2, 55459, False),
+    _mpt_h100("760m", 2048, 32, 24, 1, 67971, False),
+    _mpt_h100("760m", 2048, 16, 24, 1, 68551, False),
+    _mpt_h100("760m", 2048, 8, 24, 2, 63147, False),
+    _mpt_h100("760m", 1024, 8, 48, 2, 78581, False),
+    _mpt_h100("760m", 512, 8, 96, 2, 83749, False),
 ]
