@@ -1,8 +1,9 @@
 """What a stack's own choices cost in the planner's step, each against a count written here from
 the collectives' and the memory's own prices: the pipeline transfer split over the
 tensor-parallel ranks (Megatron-LM 2021-22, DeepSpeed's pipeline engine), DeepSpeed's
-BF16_Optimizer adding every micro-batch's gradients into fp32 ones by a pass of its own, and
-async tensor parallelism hiding each collective it decomposes behind that collective's GEMMs."""
+BF16_Optimizer adding every micro-batch's gradients into fp32 ones by a pass of its own,
+async tensor parallelism hiding each collective it decomposes behind that collective's GEMMs,
+and llm-foundry's Triton FlashAttention."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,7 @@ import pytest
 
 from dlab.plan import PlanLayout, clusters, models, plan, stacks
 from dlab.theory.plan import collectives
+from dlab.theory.plan.cluster import TRITON_FA
 from dlab.theory.plan.memory import rank_params
 from dlab.theory.plan.predict import sustained
 from dlab.theory.plan.time import HP_GRAD_PASS, Knobs, compute
@@ -107,3 +109,23 @@ def test_async_tensor_parallelism_hides_each_collective_it_decomposes_behind_its
     plain = dataclasses.replace(lay, sequence_parallel=False)
     assert plan(spec, h100, plain, micro_batch, 8192, fused).time["tp_comm"] == pytest.approx(
         plan(spec, h100, plain, micro_batch, 8192, blocking).time["tp_comm"], rel=1e-12)
+
+
+@pytest.mark.parametrize("cluster", ["a100-80gb", "h100-sxm"])
+def test_mosaicmls_triton_flashattention_runs_at_flashattention_2s_rate_over_its_factor(cluster):
+    """llm-foundry's ``attn_impl: triton`` (``pytorch-fsdp1-triton``) differs from FSDP1 with
+    FlashAttention-2 in its attention kernel alone: the attention core's forward and backward
+    take ``TRITON_FA`` times FlashAttention-2's seconds (less a launch each), every other
+    operation the same."""
+    gpu, spec = clusters.preset(cluster), models.preset("llama3-8b")
+    lay = PlanLayout(dp=8, zero=3, micro_batch=1, precision="bf16")
+    knobs = Knobs(sustained=sustained(gpu))
+    ops = {name: compute(spec, gpu, lay, stacks.preset(name), 8192, 0, knobs)
+           for name in ("pytorch-fsdp1", "pytorch-fsdp1-triton")}
+    fa2, triton = ops["pytorch-fsdp1"], ops["pytorch-fsdp1-triton"]
+    launch = gpu.kernels.launch
+    for key in ("attention_forward", "attention_backward"):
+        assert triton[key] - launch == pytest.approx(TRITON_FA * (fa2[key] - launch), rel=1e-9)
+    assert triton["gemms"] == fa2["gemms"]
+    assert triton["layer_forward"] - triton["attention_forward"] == pytest.approx(
+        fa2["layer_forward"] - fa2["attention_forward"], rel=1e-12)

@@ -9,7 +9,8 @@ prediction names its stack. What a stack decides:
   eager PyTorch ops, each a kernel reading and writing memory (``dlab.theory.plan.ops``);
 - ``attention``: the fused attention kernel a layout with ``attention="flash"`` gets ("fa2":
   FlashAttention-2 or PyTorch SDPA's flash backend, which is it; "fa3": FlashAttention-3 or
-  cuDNN's fused attention through Transformer Engine on an H100);
+  cuDNN's fused attention through Transformer Engine on an H100; "fa1-triton": MosaicML's
+  Triton port of FlashAttention-1, llm-foundry's ``attn_impl: triton``);
 - ``selective``: what ``recompute="selective"`` recomputes: "core", the attention core
   (Korthikanti et al. 2022, Megatron's); "half-mm", torchtitan's op-level policy, which keeps
   every op's output but every second matmul's and recomputes the rest (element-wise ops and
@@ -278,6 +279,12 @@ PRESETS = {s.name: s for s in (
           "llm-foundry runs it: eager ops, FlashAttention-2, backward prefetch of the next "
           "unit's gather, FULL_SHARD gathering again for backward (SHARD_GRAD_OP is zero=2)",
           fused=False, attention="fa2", grads=1.0, params=1.0, bucket=0.0, sharding=FLAT_PARAMETERS),
+    Stack("pytorch-fsdp1-triton",
+          "FSDP1 as llm-foundry ran it with attn_impl: triton (its benchmark script's default in "
+          "2023, 'our training setups typically use triton': TUTORIAL.md): as pytorch-fsdp1, "
+          "its attention MosaicML's Triton port of FlashAttention-1 (flash_attn_triton.py)",
+          fused=False, attention="fa1-triton", grads=1.0, params=1.0, bucket=0.0,
+          sharding=FLAT_PARAMETERS),
     Stack("pytorch-fsdp1-compile",
           "FSDP1 with torch.compile over the model, as IBM's fms-fsdp runs it (SDPA's "
           "FlashAttention-2, each block its own unit, limit_all_gathers)", fused=True, attention="fa2",

@@ -53,26 +53,35 @@ def _mpt_spec(size) -> Transformer:
     return Transformer(f"MPT {size}", layers, hidden, heads, 4 * hidden, 50368, tied=True)
 
 
+#: the MPTs llm-foundry's large-scale sweep ran with ``--attn_impl triton``, the others with
+#: ``flash`` (FlashAttention-2): scripts/train/benchmarking/sweep.py at 5e85bd6
+TRITON_AT_SCALE = ("13b", "30b")
+
+
 def _mpt(size, gpus, micro, tps, sharding, ac) -> Published:
     """An MPT of llm-foundry's table: GeLU, f = 4h, tied embedding, vocabulary 50368, sequence
-    2048, FlashAttention (triton), FSDP in the table's "amp_bf16" with Composer's "DEFAULT" mixed
+    2048, FlashAttention-2 or MosaicML's Triton FlashAttention as its sweep chose
+    (``TRITON_AT_SCALE``), FSDP in the table's "amp_bf16" with Composer's "DEFAULT" mixed
     precision: bf16 weights, gradients reduced in fp32 (Composer v0.17.2, the version the
     README's commit pins: composer/trainer/mosaic_fsdp_utils.py, ``reduce_dtype = float32``)."""
     lay = PlanLayout(dp=gpus, zero=3 if sharding == "FULL_SHARD" else 2, micro_batch=micro,
                      recompute="full" if ac else "none", precision="bf16-fp32-grads")
+    stack = "pytorch-fsdp1-triton" if size in TRITON_AT_SCALE else "pytorch-fsdp1"
     return Published(FOUNDRY, _mpt_spec(size), "h100-sxm", lay, gpus * micro, 2048,
-                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
+                     "tokens_per_s_per_gpu", tps, stack,
                      assumed="DGX H100 nodes (the platform's network is not stated)")
 
 
 def _mpt_a100(size, memory, gpus, micro, accum, tps, ac) -> Published:
     """A multi-node row of llm-foundry's A100 tables: an MPT (as ``_mpt``) under FSDP1's
     FULL_SHARD in "bf16" with Composer's "PURE" mixed precision (bf16 weights, gradients and
-    reductions), ``accum`` micro-batches of ``micro`` sequences a step."""
+    reductions), ``accum`` micro-batches of ``micro`` sequences a step, MosaicML's Triton
+    FlashAttention (its sweep.sh passes no ``--attn_impl``; submit_benchmarks.py's default is
+    triton)."""
     lay = PlanLayout(dp=gpus, zero=3, micro_batch=micro, recompute="full" if ac else "none",
                      precision="bf16")
     return Published(FOUNDRY_A100, _mpt_spec(size), f"a100-{memory}gb", lay, gpus * micro * accum, 2048,
-                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
+                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1-triton",
                      assumed="its nodes as DGX A100s (8 GPUs, NVSwitch; 1600 Gb/s a node as 8 x 200)")
 
 
@@ -80,11 +89,12 @@ def _mpt_h100(size, seq, gpus, micro, accum, tps, ac) -> Published:
     """A row of llm-foundry's "H100 80GB BF16" table (8 to 64 GPUs): an MPT (as ``_mpt``) at the
     row's sequence length, FULL_SHARD in "amp_bf16" with Composer's "DEFAULT" mixed precision
     (gradients reduced in fp32, as ``_mpt``), ``accum`` micro-batches of ``micro`` sequences a
-    step."""
+    step, MosaicML's Triton FlashAttention (as ``_mpt_a100``: the table came from the same sweep,
+    b2a43a1, 2023-10)."""
     lay = PlanLayout(dp=gpus, zero=3, micro_batch=micro, recompute="full" if ac else "none",
                      precision="bf16-fp32-grads")
     return Published(FOUNDRY_H100, _mpt_spec(size), "h100-sxm", lay, gpus * micro * accum, seq,
-                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1",
+                     "tokens_per_s_per_gpu", tps, "pytorch-fsdp1-triton",
                      assumed="DGX H100 nodes (the platform's network is not stated)")
 
 
