@@ -135,6 +135,58 @@ def test_stop_ends_a_running_run(runs_dir):
     assert run.state == "stopped" and not processes_of(run.path)
 
 
+#: a stand-in for torchrun whose rank 1 reports an error only when the teardown's SIGTERM comes
+#: (a peer gone from under its collective), and, given "early", rank 0 one before any stop
+TEARDOWN_CASUALTY = """
+import json, signal, sys, time
+from pathlib import Path
+ranks = Path(sys.argv[1]) / "ranks"
+def report(rank, message):
+    (ranks / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "ok": False, "time": time.time(),
+        "exception": "RuntimeError", "message": message, "traceback": message}))
+def torn_down(signum, frame):
+    report(1, "Connection closed by peer")
+    sys.exit(1)
+signal.signal(signal.SIGTERM, torn_down)
+if sys.argv[2] == "early":
+    report(0, "a real failure")
+(ranks / "up").write_text("")
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("early,clicked", [(False, False), (False, True), (True, False)])
+def test_a_stop_names_a_rank_that_failed_before_it_not_one_the_teardown_broke(tmp_path, early,
+                                                                              clicked):
+    """The dashboard's Stop ends the run as "stopped", whether ``wait`` sees it first
+    (``stop_requested``) or the button's handler stops the run from another thread while
+    ``wait`` polls; a rank whose collective broke because its peers were torn down reports an
+    error after the Stop, a casualty that ``wait`` does not raise. A rank that had failed before
+    the Stop is still the failure."""
+    run_dir = tmp_path / "run"
+    (run_dir / "ranks").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"world_size": 2}))
+    proc = subprocess.Popen([sys.executable, "-c", TEARDOWN_CASUALTY, str(run_dir),
+                             "early" if early else "late"], start_new_session=True)
+    while not (run_dir / "ranks" / "up").exists():
+        assert proc.poll() is None
+        time.sleep(0.02)
+    run = dlab.Run(run_dir, proc)
+    requested = threading.Event()
+    if clicked:  # Dashboard.request_stop: the flag, then the run stopped from the comm's thread
+        threading.Timer(0.3, lambda: (requested.set(), run.stop(reason="stopped"))).start()
+    else:
+        requested.set()
+    if early:
+        with pytest.raises(dlab.RunFailed, match="a real failure"):
+            run.wait(timeout=30, stop_requested=requested.is_set)
+    else:
+        assert run.wait(timeout=30, stop_requested=requested.is_set) is run
+        assert json.loads((run_dir / "ranks" / "rank1.json").read_text())["ok"] is False
+    assert proc.poll() is not None
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+
+
 @pytest.mark.parametrize("reason, state", [(None, "preempted"), ("notice", "preempted"),
                                            ("interrupted", "stopped"), ("timeout", "timeout"),
                                            ("stopped", "stopped")])

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -57,6 +58,12 @@ class Run(RunView):
         super().__init__(path)
         self.proc = proc
         self._ended_as: str | None = None
+        #: whether no rank had failed when a Stop (reason "stopped") began the teardown: the
+        #: errors ranks report after it are the teardown's casualties (``wait``)
+        self._stopped_healthy: bool | None = None
+        #: held while the end is recorded: a Stop from the dashboard's thread and ``wait`` on
+        #: the cell's may both finish the run, and the second must read the first's record
+        self._finishing = threading.Lock()
 
     @property
     def state(self) -> str:
@@ -64,8 +71,8 @@ class Run(RunView):
         ``RunDir.status``)."""
         if self.proc is not None and self.proc.poll() is None:
             return "running"
-        if self.proc is not None and self._ended_as is None:
-            self._finish()
+        if self.proc is not None:
+            self._finish()  # once; or wait for the record another thread is making
         return self.dir.status().get("state", "unknown")
 
     def plot(self):
@@ -113,7 +120,9 @@ class Run(RunView):
         ``on_poll(records)`` called every ``poll`` seconds with the records that arrived (it
         redraws) and ``stop_requested()`` asked as often (its Stop button: the run is stopped,
         reading "stopped", and ``wait`` returns). A failed rank ends the run here unless
-        torchrun may restart it (``max_restarts``), whoever watches."""
+        torchrun may restart it (``max_restarts``), whoever watches. A rank that reports an
+        error only in the teardown a Stop caused (a peer gone from under its collective) is the
+        Stop's casualty, not a failure; one that failed before the Stop is still named."""
         bar = _Progress(self) if progress else None
         try:
             for records in self._polls(poll, timeout):
@@ -134,7 +143,7 @@ class Run(RunView):
             if bar:
                 bar.close()
         failure = self.failure()
-        if failure:
+        if failure and not self._stopped_healthy:
             raise failure
         if self.state == "lost":
             raise RuntimeError(f"run {self.path} is lost: its launcher and processes are gone "
@@ -184,6 +193,8 @@ class Run(RunView):
             if self.proc is not None:
                 self._finish()
             return
+        if reason == "stopped" and self._stopped_healthy is None:
+            self._stopped_healthy = not self._a_rank_failed()
         kill_tree(self.proc, grace)
         self._finish(reason)
 
@@ -195,23 +206,24 @@ class Run(RunView):
         unfinished writes left, when the directory answers again (until then the run reads
         "running": its ranks, stuck in the same writes, die of their SIGKILL only then). A
         full disk is said in a warning, not raised over the run's own outcome."""
-        if self._ended_as is not None or self.proc is None:
-            return
-        self._ended_as = reason or "ended"  # never finished twice, whatever the record does
-        _LIVE.discard(self)
-        try:
-            # torchrun's exit status is read here, by its parent (the recording process is
-            # not); once the end is recorded, what writes left half done (a rank's, stuck on a
-            # hung disk when it was killed) goes
-            if aside(RECORD_WITHIN_S, self._record, reason, self.proc.poll(),
-                     then=self.dir.discard_temporaries):
+        with self._finishing:
+            if self._ended_as is not None or self.proc is None:
                 return
-            why = (f"its directory did not answer within {RECORD_WITHIN_S:g} s (a hung file "
-                   f"system?); it will be once the directory answers")
-        except (OSError, RuntimeError) as e:
-            why = str(e)
-        warnings.warn(f"the end of run {self.path} ({self._ended_as}) is not recorded in "
-                      f"status.json: {why}", stacklevel=3)
+            self._ended_as = reason or "ended"  # never finished twice, whatever the record does
+            _LIVE.discard(self)
+            try:
+                # torchrun's exit status is read here, by its parent (the recording process is
+                # not); once the end is recorded, what writes left half done (a rank's, stuck
+                # on a hung disk when it was killed) goes
+                if aside(RECORD_WITHIN_S, self._record, reason, self.proc.poll(),
+                         then=self.dir.discard_temporaries):
+                    return
+                why = (f"its directory did not answer within {RECORD_WITHIN_S:g} s (a hung "
+                       f"file system?); it will be once the directory answers")
+            except (OSError, RuntimeError) as e:
+                why = str(e)
+            warnings.warn(f"the end of run {self.path} ({self._ended_as}) is not recorded in "
+                          f"status.json: {why}", stacklevel=3)
 
     def _record(self, reason: str | None, torchrun_exit: int | None) -> None:
         failure = find_failure(self.dir, torchrun_exit)
