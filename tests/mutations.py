@@ -719,6 +719,15 @@ MUTATIONS = [
          "signalled_it",),
     ),
     Mutation(
+        "stop-raises-its-teardown",
+        "a run stopped from its dashboard raises, as its failure, the error a rank reports when "
+        "the Stop's teardown breaks its collective",
+        "dlab/procs/run.py",
+        (("        if failure and not self._stopped_healthy:\n", "        if failure:\n"),),
+        ("tests/test_faults.py::test_a_stop_names_a_rank_that_failed_before_it_not_one_the_"
+         "teardown_broke",),
+    ),
+    Mutation(
         "registry-reads-the-top-level-only",
         "the strategy registry reads @register in dlab/parallel's own files and not its "
         "subpackages'",
