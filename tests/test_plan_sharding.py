@@ -22,8 +22,8 @@ from dlab.theory.plan import data_comm
 from dlab.theory.plan import time as tm
 from dlab.theory.plan.memory import buffers, layer_bytes, op_policy_kept, rank_params
 from dlab.theory.plan.rows import ROWS
+from dlab.theory.plan.sharding import Sharding
 from dlab.theory.plan.spec import from_gpt, megatron_gpt
-from dlab.theory.plan.stacks import Sharding
 
 A100, H100 = clusters.preset("a100-80gb"), clusters.preset("h100-sxm")
 LLAMA8 = models.preset("llama3-8b")

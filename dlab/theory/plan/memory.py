@@ -49,7 +49,7 @@ During a fully recomputed layer's backward, its activations exist again on top.
 
 Buffers: ZeRO-3 gathers two layers' weights at once (the one running and the one prefetched;
 under DeepSpeed's prefetch bucket the largest submodule and the bucket ahead, plus its gradient
-staging buckets: ``gathered``, ``stacks.Sharding``), a pipeline rank keeps one send and one
+staging buckets: ``gathered``, ``sharding.Sharding``), a pipeline rank keeps one send and one
 receive buffer, and sequence parallelism's all-gather materialises a layer input of s b h
 (16-bit) for the QKV and MLP matmuls.
 
@@ -225,7 +225,7 @@ def gathered(spec, lay, sharding) -> float:
 
 def buffers(spec, lay, seq_len: int, stack=None) -> float:
     """Communication buffers (module docstring), 16-bit; ZeRO-3's gathered weights and its
-    gradient staging as ``stack`` holds them (``stacks.Sharding``)."""
+    gradient staging as ``stack`` holds them (``sharding.Sharding``)."""
     b, s, h, t = lay.micro_batch, seq_len // lay.cp, spec.d_model, lay.tp
     e = 4 if lay.precision == "fp32" else 2
     out = 0.0
